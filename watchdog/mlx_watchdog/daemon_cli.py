@@ -1,0 +1,1 @@
+"""probe, supervise, watch and status commands (to be filled in)."""

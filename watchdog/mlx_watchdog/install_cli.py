@@ -1,0 +1,1 @@
+"""install and uninstall commands (to be filled in)."""
