@@ -1,0 +1,109 @@
+"""The generation loop's heartbeat, for watchdogs.
+
+The loop calls ``loop_iteration()`` on every pass, busy or idle (the exit
+patch wires it in). That costs an integer increment and a clock read; at most
+once per MLX_HOTFIX_HEARTBEAT_INTERVAL it also:
+
+- rewrites MLX_HOTFIX_HEARTBEAT_FILE, when set, atomically, with one JSON
+  line: {"pid", "beats", "time", "phase"} (phase: "loading" or "serving");
+- pings systemd (WATCHDOG=1), when the service runs with NOTIFY_SOCKET and
+  WatchdogSec=.
+
+When the loop hangs, both stop: that is the signal. systemd also gets
+READY=1 once the model is loaded and the loop runs.
+"""
+
+import json
+import os
+import threading
+import time
+
+from . import config
+
+_generation_ident = None
+_loop_running = False
+_stopped = False
+_beats = 0
+_next_write = 0.0
+_notifier = None
+
+
+def _systemd():
+    global _notifier
+    if _notifier is None:
+        if os.environ.get("NOTIFY_SOCKET"):
+            from .sdnotify import SdNotifier
+
+            _notifier = SdNotifier.from_environ()
+        else:
+            _notifier = False
+    return _notifier or None
+
+
+def _write(phase):
+    path = config.current().heartbeat_file
+    if not path or _stopped:
+        return
+    record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
+    temporary = "%s.%d.tmp" % (path, os.getpid())
+    try:
+        with open(temporary, "w") as handle:
+            handle.write(json.dumps(record) + "\n")
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a full disk must not kill the loop
+
+
+def generation_thread_started(generator):
+    """Called at the top of ResponseGenerator._generate."""
+    global _generation_ident
+    if threading.current_thread() is not getattr(generator, "_generation_thread", None):
+        return
+    _generation_ident = threading.get_ident()
+    _write("loading")
+    notifier = _systemd()
+    if notifier is not None:
+        notifier.status("loading the model")
+
+
+def loop_running():
+    return _loop_running
+
+
+def loop_iteration():
+    """One pass of the generation loop: cheap, called very often."""
+    global _beats, _loop_running, _next_write
+    if _stopped:
+        return
+    _beats += 1
+    notifier = _notifier if _notifier is not None else _systemd()
+    notifier = notifier or None
+    if not _loop_running:
+        _loop_running = True
+        if notifier is not None:
+            notifier.ready("serving")
+    if notifier is not None:
+        notifier.watchdog_ping()  # rate-limited inside
+    now = time.monotonic()
+    if now >= _next_write:
+        _next_write = now + config.current().heartbeat_interval
+        _write("serving")
+
+
+def beat_if_generation_thread():
+    """A token or reply leaving the generation thread is progress too."""
+    if _generation_ident is not None and threading.get_ident() == _generation_ident:
+        loop_iteration()
+
+
+def stop():
+    """The loop is gone: no more beats, whatever still calls in."""
+    global _stopped
+    _stopped = True
+
+
+def notify_stopping(text):
+    notifier = _systemd()
+    if notifier is not None:
+        notifier.status(text)
+        notifier.stopping()

@@ -1,0 +1,346 @@
+"""exit: when the server's generation thread dies, answer every waiting client
+and exit, so that launchd, systemd or any supervisor restarts the server.
+
+Reason: ml-explore/mlx-lm#1505. Stock 0.31.x lets the exception reach
+threading.excepthook and keeps serving: /health says 200 while every
+completion waits forever on a queue nobody feeds. Stock 0.32.x catches it in
+``_run_generate``, turns /health to 503 and fails requests, but the process
+lives on, so KeepAlive and Restart= never fire. Users measured 5 to 52 hours
+per event.
+
+How: the thread's target is the bound method ``ResponseGenerator._generate``
+(0.31) or ``_run_generate``, which calls ``_generate`` (0.32). Wrapping
+``_generate`` on the class catches the death in both, before stock code sees
+it, and only for that thread: a user's own function named ``_generate``, or
+any other thread, is never touched. The exception is re-raised unchanged, so
+stock logging (or the previous excepthook) prints the traceback once.
+
+Every queue the server module creates is a ``_WatchedQueue``; at death each
+gets a sentinel, and a client blocked on it wakes with GenerationThreadDied
+(a BaseException, so stock ``except Exception`` handlers cannot turn it into
+a 404). The wrapped ``handle_completion`` answers: 503 with a JSON error, or,
+when stream headers are already out, a final SSE error event; then the
+connection closes. A reaper thread exits with MLX_HOTFIX_EXIT_CODE once every
+client is answered, or when MLX_HOTFIX_EXIT_GRACE runs out.
+
+Test: tests/test_shim_exit.py (excepthook death on 0.31.3, caught-by-stock
+death on 0.32.2, death at model load, negative controls).
+"""
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import weakref
+
+from .. import config, heartbeat, log
+
+NAME = "exit"
+TARGET = "mlx_lm.server"
+REASON = "ml-explore/mlx-lm#1505: a dead generation thread leaves a zombie server"
+VERSIONS = ("0.31.0", "0.33.0")
+FIXED_IN = None
+TEST = "tests/test_shim_exit.py"
+
+_MARK = "__mlx_hotfix_wrapped__"
+
+
+class GenerationThreadDied(BaseException):
+    """Raised in a request thread whose answer will never come."""
+
+
+_SENTINEL = object()
+
+
+class Lifeline:
+    """The process-wide record of the generation thread's death and the exit."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queues = weakref.WeakSet()
+        self._handlers = set()
+        self._idle = threading.Condition(self._lock)
+        self.dead = False
+        self.cause = None
+        self.died_at = None
+
+    # -- bookkeeping, called from request threads --------------------------
+    def watch_queue(self, q):
+        with self._lock:
+            self._queues.add(q)
+            dead = self.dead
+        if dead:
+            q.put(_SENTINEL)
+
+    def enter(self, handler):
+        with self._lock:
+            self._handlers.add(handler)
+
+    def leave(self, handler):
+        with self._lock:
+            self._handlers.discard(handler)
+            if not self._handlers:
+                self._idle.notify_all()
+
+    # -- the death ------------------------------------------------------------
+    def die(self, generator, exc, during_startup):
+        with self._lock:
+            if self.dead:
+                return
+            self.dead = True
+            self.cause = exc
+            self.died_at = time.monotonic()
+            queues = list(self._queues)
+        for q in queues:  # wake every waiting client
+            try:
+                q.put(_SENTINEL)
+            except Exception:  # noqa: BLE001
+                pass
+        heartbeat.stop()
+        reaper = threading.Thread(
+            target=self._reap,
+            args=(generator, exc, during_startup),
+            name="mlx-hotfix-exit",
+            daemon=True,
+        )
+        reaper.start()
+
+    def _reap(self, generator, exc, during_startup):
+        settings = config.current()
+        deadline = self.died_at + settings.exit_grace
+        # Let the stock handler (excepthook or logging) print the traceback.
+        thread = getattr(generator, "_generation_thread", None)
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        where = " during start-up (model load)" if during_startup else ""
+        log.say(
+            "generation thread died%s: %s: %s; exiting %d"
+            % (where, exc.__class__.__name__, _one_line(exc), settings.exit_code)
+        )
+        with self._lock:
+            while self._handlers:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
+            unanswered = len(self._handlers)
+        if unanswered:
+            log.say("%d client(s) not answered within the grace" % unanswered)
+        heartbeat.notify_stopping("generation thread died; exiting")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(settings.exit_code)
+
+
+lifeline = Lifeline()
+
+
+def _one_line(exc):
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else "(no message)"
+
+
+def error_message():
+    cause = lifeline.cause
+    what = "%s: %s" % (cause.__class__.__name__, _one_line(cause)) if cause else "unknown"
+    return "generation thread died (%s); the server is restarting" % what
+
+
+# -- the wrappers ------------------------------------------------------------
+
+
+def _make_watched_queue(base):
+    class _WatchedQueue(base):
+        """A Queue that wakes its reader with GenerationThreadDied at death."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            lifeline.watch_queue(self)
+
+        def put(self, item, block=True, timeout=None):
+            heartbeat.beat_if_generation_thread()
+            super().put(item, block, timeout)
+
+        def get(self, block=True, timeout=None):
+            item = super().get(block, timeout)
+            if item is _SENTINEL:
+                super().put(item)  # any later reader refuses too
+                raise GenerationThreadDied(error_message())
+            return item
+
+    _WatchedQueue.__name__ = base.__name__
+    _WatchedQueue.__qualname__ = base.__qualname__
+    setattr(_WatchedQueue, _MARK, True)
+    return _WatchedQueue
+
+
+def _wrap(function, wrapper):
+    wrapper.__name__ = function.__name__
+    wrapper.__qualname__ = getattr(function, "__qualname__", function.__name__)
+    wrapper.__doc__ = function.__doc__
+    wrapper.__wrapped__ = function
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _wrap_generate_loop(original):
+    def _generate(self, *args, **kwargs):
+        heartbeat.generation_thread_started(self)
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException as exc:
+            if threading.current_thread() is getattr(self, "_generation_thread", None):
+                lifeline.die(self, exc, during_startup=not heartbeat.loop_running())
+            raise
+
+    return _wrap(original, _generate)
+
+
+def _wrap_generate_request(original):
+    def generate(self, *args, **kwargs):
+        if lifeline.dead:
+            raise GenerationThreadDied(error_message())
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, generate)
+
+
+def _wrap_next_request(original):
+    def _next_request(self, *args, **kwargs):
+        heartbeat.loop_iteration()
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, _next_request)
+
+
+def _wrap_budget_next(original):
+    def __next__(self):
+        heartbeat.loop_iteration()
+        return original(self)
+
+    return _wrap(original, __next__)
+
+
+def _wrap_end_headers(original):
+    def end_headers(self):
+        self.__dict__["_mlx_hotfix_headers_sent"] = True
+        return original(self)
+
+    return _wrap(original, end_headers)
+
+
+def _wrap_handle_completion(original):
+    def handle_completion(self, *args, **kwargs):
+        self.__dict__["_mlx_hotfix_headers_sent"] = False
+        if lifeline.dead:
+            return answer_dead(self)
+        lifeline.enter(self)
+        try:
+            return original(self, *args, **kwargs)
+        except GenerationThreadDied:
+            answer_dead(self)
+        finally:
+            lifeline.leave(self)
+
+    return _wrap(original, handle_completion)
+
+
+def _wrap_health(original):
+    def handle_health_check(self, *args, **kwargs):
+        if lifeline.dead:
+            return _send_json(self, 503, {"status": "unavailable", "error": error_message()})
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, handle_health_check)
+
+
+def answer_dead(handler):
+    """Tell one client the server is going away, however far its reply got."""
+    body = {
+        "error": {
+            "message": error_message(),
+            "type": "server_error",
+            "code": 503,
+        }
+    }
+    try:
+        if handler.__dict__.get("_mlx_hotfix_headers_sent"):
+            # A stream already said 200: end it with an error event.
+            handler.wfile.write(("data: %s\n\n" % json.dumps(body)).encode())
+            handler.wfile.flush()
+        else:
+            handler._headers_buffer = []  # drop a buffered, unsent 200
+            _send_json(handler, 503, body)
+    except (OSError, ValueError):
+        pass  # the client left
+    handler.close_connection = True
+
+
+def _send_json(handler, status, body):
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.send_header("Retry-After", "5")
+    handler.send_header("Connection", "close")
+    cors = getattr(handler, "_set_cors_headers", None)
+    if cors is not None:
+        try:
+            cors()
+        except Exception:  # noqa: BLE001 - CORS settings may be missing
+            pass
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+    handler.close_connection = True
+
+
+# -- gate and apply ----------------------------------------------------------
+
+_RESPONSE_GENERATOR_METHODS = ("_generate", "generate", "_next_request")
+_HANDLER_METHODS = ("handle_completion", "handle_health_check", "end_headers", "do_POST")
+
+
+def check_shape(server):
+    generator = getattr(server, "ResponseGenerator", None)
+    handler = getattr(server, "APIHandler", None)
+    if generator is None or handler is None:
+        return "mlx_lm.server has no ResponseGenerator/APIHandler"
+    for owner, names in ((generator, _RESPONSE_GENERATOR_METHODS), (handler, _HANDLER_METHODS)):
+        for name in names:
+            if not callable(getattr(owner, name, None)):
+                return "%s.%s is missing" % (owner.__name__, name)
+    if getattr(getattr(generator, "_generate"), _MARK, False):
+        return "already applied"
+    queue_class = getattr(server, "Queue", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
+        return "mlx_lm.server does not use queue.Queue for responses"
+    budget = getattr(server, "TimeBudget", None)
+    if budget is not None and not callable(getattr(budget, "__next__", None)):
+        return "TimeBudget is not an iterator"
+    return None
+
+
+def apply(server):
+    generator = server.ResponseGenerator
+    handler = server.APIHandler
+    budget = getattr(server, "TimeBudget", None)
+    replacements = [
+        (server, "Queue", _make_watched_queue(server.Queue)),
+        (generator, "_generate", _wrap_generate_loop(generator._generate)),
+        (generator, "generate", _wrap_generate_request(generator.generate)),
+        (generator, "_next_request", _wrap_next_request(generator._next_request)),
+        (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
+        (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
+        (handler, "end_headers", _wrap_end_headers(handler.end_headers)),
+    ]
+    if budget is not None:
+        replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
+    # Built first, assigned last: a failure above leaves the server untouched.
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
