@@ -1,0 +1,122 @@
+"""Test-only fault injection into the stock mlx_lm.server, via PYTHONPATH.
+
+Put this folder on PYTHONPATH after the shim's (the shim chains into it) or
+alone (stock, no shim). MLX_TEST_FAULT selects one fault:
+
+    raise:<kind>:<where>[:<after>]   raise on the (after+1)-th call of <where>
+    hang:<where>[:<after>]           block forever there, at 0% CPU
+    spin:<where>[:<after>]           loop forever there, burning CPU
+
+<where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
+decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache).
+<kind>: typeerror, resource, slice, broadcast, extract (the death modes users
+reported upstream, with their real messages).
+
+Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
+set, so a test can warm the server up first.
+"""
+
+import os
+import sys
+
+_SPEC = os.environ.get("MLX_TEST_FAULT", "")
+
+_MESSAGES = {
+    "typeerror": (TypeError, "'NoneType' object is not iterable"),
+    "resource": (RuntimeError, "[metal::malloc] Resource limit (499000) exceeded."),
+    "slice": (ValueError, "Slice indices must be 32-bit integers."),
+    "broadcast": (ValueError, "[broadcast_shapes] Shapes (1,8,1,16) and (1,8,1,0) cannot be broadcast."),
+    "extract": (IndexError, "list index out of range (in extract_cache)"),
+}
+
+_TARGETS = {
+    "load": ("mlx_lm.server", "ModelProvider", "load_default"),
+    "prefill": ("mlx_lm.generate", "PromptProcessingBatch", "prompt"),
+    "decode": ("mlx_lm.generate", "GenerationBatch", "next"),
+    "extract_cache": ("mlx_lm.generate", "BatchGenerator", "extract_cache"),
+}
+
+
+def _parse(spec):
+    parts = spec.split(":")
+    action = parts[0]
+    if action == "raise":
+        kind, where = parts[1], parts[2]
+        after = int(parts[3]) if len(parts) > 3 else 0
+    elif action in ("hang", "spin"):
+        kind, where = None, parts[1]
+        after = int(parts[2]) if len(parts) > 2 else 0
+    else:
+        raise ValueError("MLX_TEST_FAULT: unknown action %r" % action)
+    if where not in _TARGETS:
+        raise ValueError("MLX_TEST_FAULT: unknown place %r" % where)
+    if kind is not None and kind not in _MESSAGES:
+        raise ValueError("MLX_TEST_FAULT: unknown kind %r" % kind)
+    return action, kind, where, after
+
+
+def _armed():
+    arm_file = os.environ.get("MLX_TEST_FAULT_ARM_FILE")
+    return not arm_file or os.path.exists(arm_file)
+
+
+def _inject(module, action, kind, where, after):
+    owner = getattr(module, _TARGETS[where][1])
+    name = _TARGETS[where][2]
+    original = getattr(owner, name)
+    calls = [0]
+
+    def faulty(*args, **kwargs):
+        if _armed():
+            calls[0] += 1
+            if calls[0] > after:
+                sys.stderr.write("mlx-test-fault: %s at %s\n" % (action, where))
+                sys.stderr.flush()
+                if action == "raise":
+                    error, message = _MESSAGES[kind]
+                    raise error(message)
+                if action == "hang":
+                    import threading
+
+                    threading.Event().wait()
+                while action == "spin":
+                    pass
+        return original(*args, **kwargs)
+
+    setattr(owner, name, faulty)
+
+
+class _Finder:
+    def __init__(self, target_module, on_loaded):
+        self.target_module = target_module
+        self.on_loaded = on_loaded
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.target_module:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader
+        on_loaded = self.on_loaded
+
+        class Loader:
+            def create_module(self, spec):
+                return None
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                on_loaded(module)
+
+        spec.loader = Loader()
+        return spec
+
+
+if _SPEC:
+    _action, _kind, _where, _after = _parse(_SPEC)
+    sys.meta_path.insert(
+        0,
+        _Finder(_TARGETS[_where][0],
+                lambda m: _inject(m, _action, _kind, _where, _after)),
+    )
