@@ -1,0 +1,234 @@
+"""exit: a dead generation thread answers every client, then exits 70.
+
+Real stock servers (0.31.3: death reaches threading.excepthook; 0.32.2:
+stock catches it and lives on), tiny generated model, CPU. Faults come from
+tests/support/faults, armed after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import requests
+
+from tests.conftest import fault_env
+from tests.support.server import VERSIONS, BackgroundRequest, run_python, sse_events
+
+CLIENT_TIMEOUT = 60  # far above the 1 s grace: a client that hits it was left waiting
+
+
+def _answered(request: BackgroundRequest) -> None:
+    assert request.join(CLIENT_TIMEOUT + 10), f"{request} never returned"
+    assert not isinstance(request.error, requests.Timeout), f"{request} was left waiting"
+
+
+def _assert_503_json(request: BackgroundRequest) -> None:
+    _answered(request)
+    assert request.status == 503, request
+    error = request.json()["error"]
+    assert error["code"] == 503 and "generation thread died" in error["message"]
+
+
+def _assert_stream_ends_with_error(request: BackgroundRequest) -> None:
+    _answered(request)
+    assert request.error is None, request
+    events = sse_events(request.body)
+    if request.status == 200:  # headers were out: the last event is the error
+        assert isinstance(events[-1], dict) and "error" in events[-1], events[-3:]
+        assert events[-1]["error"]["code"] == 503
+    else:  # died before the stream started
+        assert request.status == 503, request
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_death_answers_every_client_then_exits_70(servers, tiny_llama, tmp_path, version, where):
+    arm = tmp_path / "arm"
+    server = servers(version, tiny_llama, env=fault_env(f"raise:typeerror:{where}:2", arm))
+    server.warm_up()
+    arm.touch()
+    streaming = BackgroundRequest(
+        lambda: server.chat("a stream", max_tokens=200, stream=True, timeout=CLIENT_TIMEOUT),
+        name="stream")
+    plain = BackgroundRequest(
+        lambda: server.chat("a plain one", max_tokens=200, timeout=CLIENT_TIMEOUT), name="plain")
+    # A request with a seed cannot join the batch: it waits for the batch to drain.
+    queued = BackgroundRequest(
+        lambda: server.chat("queued", max_tokens=5, seed=7, timeout=CLIENT_TIMEOUT),
+        name="queued")
+
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
+    _assert_stream_ends_with_error(streaming)
+    _assert_503_json(plain)
+    _answered(queued)
+    assert queued.status in (200, 503), queued  # it may have been served before the death
+
+    log = server.log()
+    died = [l for l in server.hotfix_lines() if "generation thread died" in l]
+    assert died == ["mlx-hotfix: generation thread died: TypeError: "
+                    "'NoneType' object is not iterable; exiting 70"]
+    assert log.count("Traceback (most recent call last)") == 1
+    assert log.index("Traceback") < log.index(died[0])
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_stock_server_without_the_shim_stays_a_zombie(servers, tiny_llama, tmp_path, version):
+    """The control: the same death on stock never exits."""
+    arm = tmp_path / "arm"
+    server = servers(version, tiny_llama, shim=False,
+                     env=fault_env("raise:resource:decode:2", arm, shim=False))
+    server.warm_up()
+    arm.touch()
+    request = BackgroundRequest(lambda: server.chat("x", max_tokens=50, timeout=10))
+    assert request.join(30)
+    assert server.wait_exit(3) is None and server.alive()
+    # 0.31.3 still calls itself healthy; 0.32.2 says 503 but never exits.
+    assert server.health() == (200 if version == "0.31.3" else 503)
+    assert "mlx-hotfix" not in server.log()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_death_during_model_load_exits_70(servers, tmp_path, version):
+    server = servers(version, tmp_path / "no-such-model")
+    assert server.wait_exit(120) == 70, server.log()
+    died = [l for l in server.hotfix_lines() if "generation thread died" in l]
+    assert len(died) == 1 and "during start-up (model load)" in died[0], server.log()
+    assert died[0].endswith("; exiting 70")
+
+
+@pytest.mark.server
+def test_stock_death_during_model_load_is_a_zombie(servers, tmp_path):
+    import time
+
+    server = servers("0.31.3", tmp_path / "no-such-model", shim=False)
+    deadline = time.monotonic() + 120
+    while "Traceback" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "Traceback" in server.log()
+    assert server.wait_exit(3) is None and server.alive()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launch", ["mlx_lm.server", "python -m mlx_lm.server", "script"])
+def test_every_launch_form_is_covered(servers, tiny_llama, tmp_path, launch):
+    arm = tmp_path / "arm"
+    server = servers("0.31.3", tiny_llama, launch=launch,
+                     env=fault_env("raise:broadcast:decode:2", arm))
+    server.warm_up()
+    assert any(l.startswith("mlx-hotfix: mlx-lm 0.31.3") and "exit applied" in l
+               for l in server.hotfix_lines()), server.log()
+    arm.touch()
+    request = BackgroundRequest(lambda: server.chat("x", max_tokens=50, timeout=CLIENT_TIMEOUT))
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
+    _assert_503_json(request)
+
+
+POST_DEATH_SCRIPT = textwrap.dedent("""
+    # Holds the process in its post-death state by catching os._exit, so the
+    # test can look at /health and at a new request during the grace.
+    import json, os, posix, socket, sys, threading, time
+    import requests
+
+    exit_codes, hold = [], threading.Event()
+    def held_exit(code):
+        exit_codes.append(code)
+        hold.wait()
+    os._exit = held_exit
+
+    model, port, arm = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    import mlx_lm.server as server
+    sys.argv = ["mlx_lm.server", "--model", model, "--port", str(port)]
+    threading.Thread(target=server.main, daemon=True).start()
+    url = "http://127.0.0.1:%d" % port
+    body = {"model": "default_model", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 20}
+    for _ in range(600):
+        try:
+            first = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+            break
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    result = {"before": first.status_code,
+              "health_before": requests.get(url + "/health").status_code}
+    open(arm, "w").close()
+    died = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+    result["dying_request"] = died.status_code
+    for _ in range(300):
+        if exit_codes:
+            break
+        time.sleep(0.05)
+    result["exit_code"] = exit_codes[0] if exit_codes else None
+    result["health_after"] = requests.get(url + "/health", timeout=10).status_code
+    late = requests.post(url + "/v1/chat/completions", json=body, timeout=10)
+    result["late_request"] = [late.status_code, late.json()]
+    print(json.dumps(result), flush=True)
+    posix._exit(0)
+""")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_health_and_new_requests_say_503_once_the_thread_is_dead(envs, tiny_llama, tmp_path,
+                                                                 version):
+    from tests.support.server import free_port
+
+    arm = tmp_path / "arm"
+    result = run_python(version, POST_DEATH_SCRIPT,
+                        env=fault_env("raise:slice:decode:1", arm),
+                        args=[str(tiny_llama), str(free_port()), str(arm)], timeout=300)
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["before"] == 200 and outcome["health_before"] == 200
+    assert outcome["dying_request"] == 503
+    assert outcome["exit_code"] == 70
+    assert outcome["health_after"] == 503
+    status, body = outcome["late_request"]
+    assert status == 503 and "ValueError: Slice indices" in body["error"]["message"]
+
+
+NEGATIVE_CONTROL_SCRIPT = textwrap.dedent("""
+    import threading, sys
+    import mlx_lm.server as server
+
+    def _generate():  # a user's own function with the same name
+        raise ValueError("user thread died")
+
+    t = threading.Thread(target=_generate)
+    t.start(); t.join()
+
+    def other():
+        raise RuntimeError("some other thread died")
+    t = threading.Thread(target=other, name="worker")
+    t.start(); t.join()
+
+    class NotTheServer:
+        _generation_thread = None
+        model_provider = None
+    # The server's own method, but not on its generation thread.
+    t = threading.Thread(target=server.ResponseGenerator._generate, args=(NotTheServer(),))
+    t.start(); t.join()
+    print("still alive", flush=True)
+""")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_other_threads_dying_do_not_exit(envs, version):
+    result = run_python(version, NEGATIVE_CONTROL_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "still alive"
+    assert "ValueError: user thread died" in result.stderr
+    assert "RuntimeError: some other thread died" in result.stderr
+    assert result.stderr.count("Traceback (most recent call last)") == 3
+    assert "generation thread died" not in result.stderr
+
+
+def test_exit_switch_off_leaves_stock_behaviour(envs):
+    code = "import mlx_lm.server as s; print(s.ResponseGenerator._generate.__module__)"
+    result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "mlx_lm.server"
