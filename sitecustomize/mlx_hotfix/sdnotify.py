@@ -77,6 +77,11 @@ class SdNotifier:
         self._last_ping = None
         self._sock = None
 
+    @classmethod
+    def from_environ(cls, environ=None, **kwargs):
+        """Same as SdNotifier(environ, ...): reads os.environ by default."""
+        return cls(environ, **kwargs)
+
     @property
     def enabled(self):
         """True when NOTIFY_SOCKET names a socket to send to."""

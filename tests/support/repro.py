@@ -11,6 +11,7 @@ import time
 from .server import BackgroundRequest, StockServer
 
 # Server flags that make the two prompts share a prefill batch.
+PENALTY = 1.3
 EXTEND_CRASH_ARGS = ("--prompt-concurrency", "2", "--prefill-step-size", "8")
 
 
@@ -20,7 +21,7 @@ def long_prompt(seed: int = 0) -> str:
 
 def warm_up_with_penalty(server: StockServer, timeout: float = 120) -> None:
     # A warm-up *without* a penalty leaves the batch in a state that hides the bug.
-    server.warm_up(timeout=timeout, repetition_penalty=1.3)
+    server.warm_up(timeout=timeout, repetition_penalty=PENALTY)
 
 
 def send_extend_crash_pair(server: StockServer, *, seed: int = 0, timeout: float = 120,
@@ -32,5 +33,5 @@ def send_extend_crash_pair(server: StockServer, *, seed: int = 0, timeout: float
     time.sleep(0.05)
     b = BackgroundRequest(
         lambda: server.chat(prompt + " and then some more", max_tokens=20, timeout=timeout,
-                            stream=stream, repetition_penalty=1.3), name="B")
+                            stream=stream, repetition_penalty=PENALTY), name="B")
     return a, b

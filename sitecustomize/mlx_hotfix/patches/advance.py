@@ -14,7 +14,9 @@ data descriptors on the class: reading ``lengths`` or ``left_padding``
 subtracts the pending offset once (one graph node, however many steps) and
 stores the result; assigning a field discards its pending offset, because
 the new value replaces the one it applied to. Values read are identical to
-stock's.
+stock's, with one deliberate difference: stock's in-place ``-=`` rebinds a
+shared array object, so two caches holding the same ``left_padding`` object
+(after ``b.state = a.state``) advance each other; patched caches do not.
 
 Test: tests/test_patch_advance.py (greedy tokens identical on a tiny
 qwen3_next; values identical to stock after filter/extend/merge/extract and

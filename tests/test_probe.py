@@ -1,0 +1,212 @@
+"""probe.Probe against tiny in-process HTTP servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_watchdog.cli import main
+from mlx_watchdog.probe import OK, UNHEALTHY, UNREACHABLE, Probe, ProbeResult
+from tests.fakeserver import (
+    DEAD_THREAD,
+    DRIBBLE_BODY,
+    DRIBBLE_HEADERS,
+    DROP,
+    HANG,
+    HEALTH_DEAD,
+    FakeServer,
+    json_answer,
+)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def probe(url: str, **kwargs) -> ProbeResult:
+    return Probe(url, **{"timeout": 2.0, **kwargs})()
+
+
+def test_ok_sends_one_ordinary_request():
+    with FakeServer() as server:
+        result = probe(server.url, model="my-model", api_key="k-123")
+    assert result.status == OK and result.ok
+    assert result.tokens == 1 and result.http_status == 200
+    [(path, headers, body)] = server.requests
+    assert path == "/v1/chat/completions"
+    assert body == {
+        "model": "my-model",
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    assert "seed" not in body  # a different seed drains mlx-lm's batch
+    assert headers["Authorization"] == "Bearer k-123"
+
+
+def test_no_authorization_header_without_a_key():
+    with FakeServer() as server:
+        assert probe(server.url).ok
+    assert "Authorization" not in server.requests[0][1]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"choices": [{"message": {"content": "hi"}}]},  # no usage, content
+        {"usage": {"completion_tokens": 1}, "choices": [{"message": {"content": ""}}]},
+        {"choices": [{"text": "x"}]},  # /v1/completions shape
+    ],
+)
+def test_tokens_from_usage_or_content(body):
+    with FakeServer(completion=json_answer(200, body)) as server:
+        assert probe(server.url).ok
+
+
+@pytest.mark.parametrize(
+    "answer, reason",
+    [
+        ((200, b"<html>garbage"), "malformed"),
+        ((200, b'["a list"]'), "malformed"),
+        (json_answer(200, {"choices": [], "usage": {"completion_tokens": 0}}), "without any tokens"),
+        (json_answer(200, {"choices": [{"message": {"content": ""}}]}), "without any tokens"),
+        (json_answer(500, {"error": "boom"}), "HTTP 500: boom"),
+        ((502, b"Bad gateway"), "HTTP 502: Bad gateway"),
+        (json_answer(400, {"error": {"message": "bad model"}}), "HTTP 400: bad model"),
+        ((404, b"Not Found"), "HTTP 404: Not Found"),
+    ],
+)
+def test_wrong_answers_are_unhealthy(answer, reason):
+    with FakeServer(completion=answer) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY
+    assert reason in result.reason
+    assert not result.dead_thread
+
+
+def test_dead_thread_404_is_flagged():
+    with FakeServer(completion=DEAD_THREAD) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.http_status == 404
+    assert result.dead_thread
+    assert "generation thread died" in result.reason
+
+
+def test_health_503_is_a_dead_thread_and_skips_the_completion():
+    with FakeServer(health=HEALTH_DEAD) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.http_status == 503 and result.dead_thread
+    assert server.requests == []
+
+
+def test_health_check_can_be_skipped_and_a_missing_health_is_ignored():
+    with FakeServer(health=HEALTH_DEAD) as server:
+        assert probe(server.url, check_health=False).ok
+    with FakeServer(health=(404, b"Not Found")) as server:
+        assert probe(server.url).ok
+
+
+def test_connection_refused_is_unreachable():
+    result = probe(f"http://127.0.0.1:{closed_port()}")
+    assert result.status == UNREACHABLE
+    assert "Connection refused" in result.reason
+
+
+def test_dropped_connection_is_unhealthy():
+    with FakeServer(completion=DROP) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.http_status is None
+    assert "connection broken" in result.reason
+
+
+def test_a_hung_server_times_out():
+    with FakeServer(completion=HANG) as server:
+        result = probe(server.url, timeout=0.5)
+    assert result.status == UNHEALTHY and "timed out after 0.5s" in result.reason
+    assert result.http_status is None
+
+
+@pytest.mark.parametrize("behaviour", [DRIBBLE_BODY, DRIBBLE_HEADERS])
+def test_slow_loris_is_bounded_by_the_total_timeout(behaviour):
+    # Each read gets a byte within the per-read timeout; only a total
+    # deadline stops this. Bound generously: the point is "not forever".
+    outcome = []
+    with FakeServer(completion=behaviour) as server:
+        worker = threading.Thread(target=lambda: outcome.append(probe(server.url, timeout=0.5)))
+        worker.start()
+        worker.join(timeout=20)
+        assert not worker.is_alive(), "the probe hung past its total timeout"
+    [result] = outcome
+    assert result.status == UNHEALTHY and "timed out" in result.reason
+
+
+def test_body_size_is_capped():
+    huge = json_answer(200, {"choices": [{"message": {"content": "x" * 5000}}]})
+    with FakeServer(completion=huge) as server:
+        result = probe(server.url, max_body=1000)
+    assert result.status == UNHEALTHY and "larger than 1000 bytes" in result.reason
+
+
+def test_never_raises_on_a_nonsense_url():
+    assert probe("not a url").status in (UNHEALTHY, UNREACHABLE)
+    assert probe("http://").status in (UNHEALTHY, UNREACHABLE)
+
+
+def test_timeout_covers_health_and_completion_together():
+    # /health hangs: the completion is never tried, the probe ends on time.
+    with FakeServer(health=HANG) as server:
+        started = time.monotonic()
+        result = probe(server.url, timeout=0.5)
+        assert time.monotonic() - started < 15
+    assert "timed out" in result.reason and server.requests == []
+
+
+# -- the CLI ---------------------------------------------------------------
+
+
+def run_probe_cli(*args: str, env=None):
+    return CliRunner().invoke(main, ["probe", "--timeout", "2", *args], env=env)
+
+
+def test_cli_healthy_exits_0_with_one_json_line():
+    with FakeServer() as server:
+        result = run_probe_cli("--url", server.url)
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.output)
+    assert set(line) == {"status", "latency_s", "tokens", "reason"}
+    assert line["status"] == "ok" and line["tokens"] == 1
+
+
+def test_cli_unhealthy_exits_1():
+    with FakeServer(completion=DEAD_THREAD) as server:
+        result = run_probe_cli("--url", server.url)
+    assert result.exit_code == 1
+    assert json.loads(result.output)["status"] == "unhealthy"
+
+
+def test_cli_unreachable_exits_2():
+    result = run_probe_cli("--url", f"http://127.0.0.1:{closed_port()}")
+    assert result.exit_code == 2
+    assert json.loads(result.output)["status"] == "unreachable"
+
+
+def test_cli_api_key_from_the_environment():
+    with FakeServer() as server:
+        result = run_probe_cli("--url", server.url, env={"MLX_WATCHDOG_API_KEY": "env-key-9"})
+    assert result.exit_code == 0
+    assert server.requests[0][1]["Authorization"] == "Bearer env-key-9"
+    assert "env-key-9" not in result.output
+
+
+def test_cli_model_flag():
+    with FakeServer() as server:
+        run_probe_cli("--url", server.url, "--model", "mlx-community/x")
+    assert server.requests[0][2]["model"] == "mlx-community/x"
+
