@@ -57,4 +57,8 @@ _attach_optional_commands()
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run as `python -m mlx_watchdog.cli`: the commands registered themselves on
+    # the imported module's group, not on this __main__ copy.
+    from mlx_watchdog.cli import main as registered_main
+
+    sys.exit(registered_main())

@@ -1,0 +1,230 @@
+"""systemd definitions: a server unit and a watchdog unit per instance.
+
+Pure rendering functions; install_cli.py writes and loads them. The units
+pass `systemd-analyze verify`.
+
+Choices, and why (also written as comments into the units):
+- Server Type=notify + NotifyAccess=main: the shim, inside the server process
+  (the main PID: ExecStart runs python directly), sends READY=1 once the model
+  is loaded and WATCHDOG=1 from the generation loop.
+- TimeoutStartSec=600: start-up lasts until READY=1, i.e. includes the model
+  load, which can take minutes for a large model or a first download.
+- WatchdogSec=60: systemd only arms it after READY=1. The idle generation loop
+  wakes every 0.1 s, so a healthy server pings about every 30 s (the shim
+  rate-limits to half the interval); 60 s without a ping means the loop is
+  wedged, and systemd kills (SIGABRT) and restarts the server.
+- Restart=on-failure, RestartSec=5: exit 70 (the shim's "generation thread
+  died"), signals, watchdog and start time-outs restart; a clean exit does not.
+- StartLimitIntervalSec=600 + StartLimitBurst=5 in [Unit]: storm control.
+  More than 5 starts in 10 minutes (restarts by systemd or by the watchdog)
+  leave the unit failed instead of reloading the model forever.
+- The watchdog unit is Type=simple, Restart=always, and Wants=/After= the
+  server, so `enable --now` starts both and the watchdog starts after the
+  server is ready (or failed).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from .services import MARKER, Instance, watchdog_config_toml
+
+TIMEOUT_START_SEC = 600
+WATCHDOG_SEC = 60
+RESTART_SEC = 5
+TIMEOUT_STOP_SEC = 30
+START_LIMIT_INTERVAL_SEC = 600
+START_LIMIT_BURST = 5
+
+_SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+\Z")
+
+
+def server_unit_name(name: str) -> str:
+    return f"{name}-server.service"
+
+
+def watchdog_unit_name(name: str) -> str:
+    return f"{name}-watchdog.service"
+
+
+def unit_names(name: str) -> List[str]:
+    return [server_unit_name(name), watchdog_unit_name(name)]
+
+
+# ---- quoting (systemd.syntax(7), systemd.service(5) "Command lines") ----
+
+def _check_line(value: str, what: str) -> None:
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise ValueError(f"{what} {value!r} contains a control character")
+
+
+def escape_specifiers(value: str) -> str:
+    """'%' starts a specifier (%h, %n, ...) in almost every setting."""
+    return value.replace("%", "%%")
+
+
+def quote_exec_arg(arg: str) -> str:
+    """One word of ExecStart=: specifiers (%) and variables ($) escaped,
+    quoted with C-style escapes when it has anything but safe characters."""
+    _check_line(arg, "argument")
+    if arg == ";":
+        return "\\;"  # a lone ';' would separate commands
+    word = escape_specifiers(arg).replace("$", "$$")
+    if _SAFE_WORD.match(word):
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def exec_line(argv: Sequence[str]) -> str:
+    if not argv or not str(argv[0]).startswith("/"):
+        raise ValueError(f"ExecStart= needs an absolute path, got {argv[:1]!r}")
+    return " ".join(quote_exec_arg(str(a)) for a in argv)
+
+
+def environment_line(key: str, value: str) -> str:
+    """Environment=KEY=VALUE, quoted when needed ($ is not expanded there)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise ValueError(f"bad environment variable name {key!r}")
+    _check_line(value, f"{key}=")
+    assignment = f"{key}={escape_specifiers(value)}"
+    if _SAFE_WORD.match(assignment):
+        return f"Environment={assignment}"
+    return 'Environment="' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# ---- units ----
+
+def _header(inst: Instance) -> List[str]:
+    return [
+        f"# {MARKER} for instance {inst.name}.",
+        "# Re-run `mlx-watchdog install systemd` to change it; "
+        "`mlx-watchdog uninstall systemd` removes it.",
+    ]
+
+
+def _wanted_by(inst: Instance) -> str:
+    return "multi-user.target" if inst.system else "default.target"
+
+
+def server_unit(inst: Instance) -> str:
+    lines = _header(inst) + [
+        "",
+        "[Unit]",
+        "Description=" + escape_specifiers(
+            f"mlx_lm.server {inst.name} on {inst.url} (mlx-watchdog hotfix shim)"),
+    ]
+    if inst.system:
+        # The model may be downloaded at start-up.
+        lines += ["Wants=network-online.target", "After=network-online.target"]
+    lines += [
+        "# Storm control: more than 5 starts in 10 minutes (by systemd or by the",
+        "# watchdog) leave the unit failed instead of reloading the model forever.",
+        f"StartLimitIntervalSec={START_LIMIT_INTERVAL_SEC}",
+        f"StartLimitBurst={START_LIMIT_BURST}",
+        "",
+        "[Service]",
+        "# The shim in the server process sends READY=1 after the model load and",
+        "# WATCHDOG=1 from the generation loop.",
+        "Type=notify",
+        "NotifyAccess=main",
+        "ExecStart=" + exec_line(inst.server_argv()),
+    ]
+    lines += [environment_line(k, v) for k, v in inst.server_env().items()]
+    if inst.system:
+        if inst.user_name:
+            lines.append(f"User={inst.user_name}")
+        # /var/lib/mlx-watchdog, owned by User=: heartbeat and watchdog state.
+        lines.append("StateDirectory=mlx-watchdog")
+    lines += [
+        "# Start-up lasts until READY=1, model load included.",
+        f"TimeoutStartSec={TIMEOUT_START_SEC}",
+        "# Armed after READY=1; the shim pings at most every WatchdogSec/2.",
+        f"WatchdogSec={WATCHDOG_SEC}",
+        "# A missed ping sends SIGABRT: with PYTHONFAULTHANDLER=1 every thread's",
+        "# stack goes to the journal (where the loop hung); no core file, since",
+        "# a core of a loaded model is gigabytes.",
+        "WatchdogSignal=SIGABRT",
+        "Environment=PYTHONFAULTHANDLER=1",
+        "LimitCORE=0",
+        "# Exit 70 (generation thread died), signals and time-outs restart.",
+        "Restart=on-failure",
+        f"RestartSec={RESTART_SEC}",
+        "# SIGTERM, then SIGKILL after this long.",
+        f"TimeoutStopSec={TIMEOUT_STOP_SEC}",
+        "",
+        "[Install]",
+        f"WantedBy={_wanted_by(inst)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def watchdog_unit(inst: Instance) -> str:
+    server = server_unit_name(inst.name)
+    lines = _header(inst) + [
+        "",
+        "[Unit]",
+        "Description=" + escape_specifiers(f"mlx-watchdog for {inst.name} ({inst.url})"),
+        f"Wants={server}",
+        f"After={server}",
+        "",
+        "[Service]",
+        "Type=simple",
+        "ExecStart=" + exec_line(inst.watchdog_argv()),
+    ]
+    lines += [environment_line(k, v) for k, v in inst.watchdog_env().items()]
+    # --system: the watchdog runs as root (no User=) so that it may restart
+    # the system unit of the server.
+    lines += [
+        "Restart=always",
+        f"RestartSec={RESTART_SEC}",
+        "",
+        "[Install]",
+        f"WantedBy={_wanted_by(inst)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def restart_action(inst: Instance) -> Dict[str, object]:
+    return {"type": "systemd", "unit": server_unit_name(inst.name), "user": not inst.system}
+
+
+def render(inst: Instance) -> Dict[Path, bytes]:
+    """All files for one instance: {absolute path: content}."""
+    unit_dir = inst.layout.unit_dir
+    return {
+        unit_dir / server_unit_name(inst.name): server_unit(inst).encode(),
+        unit_dir / watchdog_unit_name(inst.name): watchdog_unit(inst).encode(),
+        inst.config_path: watchdog_config_toml(inst, restart_action(inst)).encode(),
+    }
+
+
+# ---- systemctl command lines ----
+
+def systemctl(system: bool) -> List[str]:
+    return ["systemctl"] if system else ["systemctl", "--user"]
+
+
+def install_argvs(name: str, *, system: bool, reinstall: bool,
+                  unit_paths: Optional[Sequence[Path]] = None) -> List[List[str]]:
+    """daemon-reload, then enable and start (or restart, when updating).
+
+    unit_paths: when the units are not in a directory systemd searches (a
+    custom --output-dir), enable them by path, which links them in first.
+    """
+    base = systemctl(system)
+    units = unit_names(name)
+    targets = [str(p) for p in unit_paths] if unit_paths else units
+    if reinstall:
+        return [base + ["daemon-reload"], base + ["enable"] + targets, base + ["restart"] + units]
+    return [base + ["daemon-reload"], base + ["enable", "--now"] + targets]
+
+
+def disable_argv(name: str, *, system: bool) -> List[str]:
+    # Watchdog first, so that it does not restart the server being stopped.
+    return systemctl(system) + ["disable", "--now"] + list(reversed(unit_names(name)))
+
+
+def daemon_reload_argv(system: bool) -> List[str]:
+    return systemctl(system) + ["daemon-reload"]
