@@ -93,12 +93,12 @@ class Lifeline:
             self.cause = exc
             self.died_at = time.monotonic()
             queues = list(self._queues)
+        heartbeat.stop()  # before the wake-ups below, which are not progress
         for q in queues:  # wake every waiting client
             try:
                 q.put(_SENTINEL)
             except Exception:  # noqa: BLE001
                 pass
-        heartbeat.stop()
         reaper = threading.Thread(
             target=self._reap,
             args=(generator, exc, during_startup),
