@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 GOOD_COMPLETION = {
     "id": "chatcmpl-1",

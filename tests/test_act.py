@@ -234,11 +234,22 @@ def test_signal_needs_exactly_one_way_to_find_the_process():
 # -- CPU sampling ----------------------------------------------------------------
 
 
+def sampler_for(find, start: float = 1000.0) -> CpuSampler:
+    """A sampler whose clocks advance 5 s per sample."""
+    ticks = iter(range(10000))
+    now = [start]
+
+    def clock():
+        now[0] = start + 5 * next(ticks)
+        return now[0]
+
+    return CpuSampler(find, clock=clock, wall_clock=lambda: now[0])
+
+
 def test_cpu_sampler_reports_deltas_over_the_tree():
-    clock = iter([0.0, 5.0, 10.0])
     worker = FakeProc(2, cpu=1.0, created=2.0)
     server = FakeProc(1, cpu=10.0, children=[worker])
-    sampler = CpuSampler(lambda: server, clock=lambda: next(clock))
+    sampler = sampler_for(lambda: server)
     first = sampler.sample()
     assert first.alive and first.cpu_s is None  # nothing to compare yet
     server.cpu, worker.cpu = 11.0, 2.5
@@ -250,9 +261,8 @@ def test_cpu_sampler_reports_deltas_over_the_tree():
 
 
 def test_cpu_sampler_pid_reuse_starts_afresh():
-    clock = iter([0.0, 5.0])
-    procs = [FakeProc(1, cpu=100.0, created=1.0), FakeProc(1, cpu=0.2, created=2.0)]
-    sampler = CpuSampler(lambda: procs.pop(0), clock=lambda: next(clock))
+    procs = [FakeProc(1, cpu=100.0, created=1.0), FakeProc(1, cpu=0.2, created=1004.0)]
+    sampler = sampler_for(lambda: procs.pop(0))
     sampler.sample()
     assert sampler.sample().cpu_s == pytest.approx(0.2)
 
@@ -351,3 +361,46 @@ def test_crash_loop_pauses_restarts_until_the_window_clears():
     p.healthy(20)  # a healthy moment does not forgive a crash loop
     assert not p.check(299).allowed
     assert p.check(300).allowed  # the first restart left the window
+
+
+def test_cpu_sampler_lists_children_only_when_asked_or_the_root_changes():
+    server = FakeProc(1, cpu=1.0)
+    sampler = sampler_for(lambda: server)
+    sampler.sample(rescan=False)  # t=1000
+    server._children.append(FakeProc(2, cpu=3.0, created=1006.0))  # a worker appears
+    assert sampler.sample(rescan=False).cpu_s == 0.0  # t=1005: not looked for
+    assert sampler.sample(rescan=True).cpu_s == pytest.approx(3.0)  # t=1010, born 1006
+    replacement = FakeProc(3, cpu=0.5, created=1012.0,
+                           children=[FakeProc(4, cpu=1.0, created=1013.0)])
+    server = replacement  # a new root: its children are listed at once
+    sampler._find = lambda: server
+    assert sampler.sample(rescan=False).cpu_s == pytest.approx(1.5)
+
+
+def test_locator_caches_a_match_while_the_process_runs():
+    class Counting(FakeTable):
+        scans = 0
+
+        def all(self):
+            Counting.scans += 1
+            return super().all()
+
+    server = FakeProc(42, ["mlx_lm.server"])
+    server.is_running = lambda: server.alive
+    locator = ProcessLocator(match="mlx_lm", table=Counting(server))
+    assert locator.find_cached() is server and locator.find_cached() is server
+    assert Counting.scans == 1
+    server.alive = False
+    with pytest.raises(ProcessNotFound):
+        locator.find_cached()
+    assert Counting.scans == 2
+
+
+def test_cpu_sampler_a_long_lived_child_found_late_counts_from_then():
+    server = FakeProc(1, cpu=1.0, created=10.0)
+    sampler = sampler_for(lambda: server)
+    sampler.sample(rescan=False)
+    server._children.append(FakeProc(2, cpu=500.0, created=20.0))  # old, just found
+    assert sampler.sample(rescan=True).cpu_s == 0.0
+    server._children[0].cpu = 502.0
+    assert sampler.sample(rescan=True).cpu_s == pytest.approx(2.0)

@@ -193,7 +193,8 @@ def test_an_old_heartbeat_that_just_advanced_is_progress():
 
 def test_loading_phase_is_busy_up_to_max_busy():
     config = JudgeConfig(failures=3, max_busy_s=60)
-    verdicts = run([TIMEOUT] * 14, cpu=CPU_IDLE, heartbeat=beat(50, False, "loading"), config=config)
+    loading = beat(50, False, "loading")  # written once as loading began
+    verdicts = run([TIMEOUT] * 14, cpu=CPU_IDLE, heartbeat=loading, config=config)
     assert states(verdicts)[:12] == [BUSY] * 12
     assert verdicts[12].state == WEDGED and verdicts[12].cause == BUSY_TOO_LONG
 

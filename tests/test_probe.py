@@ -75,7 +75,7 @@ def test_tokens_from_usage_or_content(body):
     [
         ((200, b"<html>garbage"), "malformed"),
         ((200, b'["a list"]'), "malformed"),
-        (json_answer(200, {"choices": [], "usage": {"completion_tokens": 0}}), "without any tokens"),
+        (json_answer(200, {"usage": {"completion_tokens": 0}}), "without any tokens"),
         (json_answer(200, {"choices": [{"message": {"content": ""}}]}), "without any tokens"),
         (json_answer(500, {"error": "boom"}), "HTTP 500: boom"),
         ((502, b"Bad gateway"), "HTTP 502: Bad gateway"),
@@ -101,16 +101,16 @@ def test_dead_thread_404_is_flagged():
 
 def test_health_503_is_a_dead_thread_and_skips_the_completion():
     with FakeServer(health=HEALTH_DEAD) as server:
-        result = probe(server.url)
+        result = probe(server.url, check_health=True)
     assert result.status == UNHEALTHY and result.http_status == 503 and result.dead_thread
     assert server.requests == []
 
 
-def test_health_check_can_be_skipped_and_a_missing_health_is_ignored():
+def test_health_check_is_off_by_default_and_a_missing_health_is_ignored():
     with FakeServer(health=HEALTH_DEAD) as server:
-        assert probe(server.url, check_health=False).ok
-    with FakeServer(health=(404, b"Not Found")) as server:
         assert probe(server.url).ok
+    with FakeServer(health=(404, b"Not Found")) as server:
+        assert probe(server.url, check_health=True).ok
 
 
 def test_connection_refused_is_unreachable():
@@ -163,7 +163,7 @@ def test_timeout_covers_health_and_completion_together():
     # /health hangs: the completion is never tried, the probe ends on time.
     with FakeServer(health=HANG) as server:
         started = time.monotonic()
-        result = probe(server.url, timeout=0.5)
+        result = probe(server.url, timeout=0.5, check_health=True)
         assert time.monotonic() - started < 15
     assert "timed out" in result.reason and server.requests == []
 
@@ -210,3 +210,34 @@ def test_cli_model_flag():
         run_probe_cli("--url", server.url, "--model", "mlx-community/x")
     assert server.requests[0][2]["model"] == "mlx-community/x"
 
+
+
+def test_a_path_prefix_in_the_url_is_kept():
+    with FakeServer() as server:
+        assert probe(server.url + "/mlx/").ok
+    assert server.requests[0][0] == "/mlx/v1/chat/completions"
+
+
+def test_a_silent_tls_server_is_bounded_by_the_total_timeout():
+    # Accepts the TCP connection, never says a word: the TLS handshake waits.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        result = probe(f"https://127.0.0.1:{port}", timeout=0.5)
+        assert time.monotonic() - started < 15
+    assert result.status == UNHEALTHY and "timed out" in result.reason
+
+
+def test_tls_to_a_plain_http_server_is_unhealthy():
+    with FakeServer() as server:
+        result = probe(server.url.replace("http:", "https:"))
+    assert result.status == UNHEALTHY and "TLS" in result.reason
+
+
+def test_cli_health_flag():
+    with FakeServer(health=HEALTH_DEAD) as server:
+        assert run_probe_cli("--url", server.url).exit_code == 0
+        result = run_probe_cli("--url", server.url, "--health")
+    assert result.exit_code == 1 and "/health: 503" in result.output

@@ -1,0 +1,76 @@
+"""heartbeat: reading the shim's file, whatever state it is in."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_watchdog.heartbeat import Heartbeat, HeartbeatTracker, read_heartbeat
+
+
+def write(path, record) -> None:
+    path.write_text(record if isinstance(record, str) else json.dumps(record) + "\n")
+
+
+def test_reads_a_good_file(tmp_path):
+    path = tmp_path / "hb"
+    write(path, {"pid": 12, "beats": 340, "time": 1700000000.5, "phase": "serving"})
+    assert read_heartbeat(path) == Heartbeat(12, 340, 1700000000.5, "serving")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "",
+        '{"pid": 12, "beats": 3',  # partial
+        "\x00\xff garbage",
+        "[1, 2]",
+        '{"pid": "12", "beats": 3, "time": 1.0, "phase": "serving"}',
+        '{"pid": 12, "beats": true, "time": 1.0, "phase": "serving"}',
+        '{"pid": 12, "beats": 3, "time": "now", "phase": "serving"}',
+        '{"pid": 12, "beats": 3, "time": 1.0}',
+    ],
+)
+def test_tolerates_partial_and_garbage_files(tmp_path, content):
+    path = tmp_path / "hb"
+    path.write_text(content, errors="surrogateescape")
+    assert read_heartbeat(path) is None
+
+
+def test_missing_file_or_a_directory(tmp_path):
+    assert read_heartbeat(tmp_path / "absent") is None
+    assert read_heartbeat(tmp_path) is None
+
+
+def test_tracker_age_and_progress(tmp_path):
+    path = tmp_path / "hb"
+    now = [1000.0]
+    tracker = HeartbeatTracker(path, clock=lambda: now[0])
+    assert tracker.sample() is None
+    write(path, {"pid": 1, "beats": 5, "time": 998.0, "phase": "loading"})
+    first = tracker.sample()
+    assert first.age_s == 2.0 and not first.advanced and first.phase == "loading"
+    write(path, {"pid": 1, "beats": 9, "time": 999.5, "phase": "serving"})
+    second = tracker.sample()
+    assert second.advanced and second.age_s == 0.5
+    now[0] = 1030.0  # no new writes: the loop hung
+    third = tracker.sample()
+    assert not third.advanced and third.age_s == 30.5
+
+
+def test_tracker_new_pid_is_progress_and_reset_forgets(tmp_path):
+    path = tmp_path / "hb"
+    tracker = HeartbeatTracker(path, clock=lambda: 10.0)
+    write(path, {"pid": 1, "beats": 5, "time": 9.0, "phase": "serving"})
+    tracker.sample()
+    write(path, {"pid": 2, "beats": 5, "time": 9.0, "phase": "serving"})
+    assert tracker.sample().advanced
+    tracker.reset()
+    assert not tracker.sample().advanced
+
+
+def test_clock_skew_never_gives_a_negative_age(tmp_path):
+    path = tmp_path / "hb"
+    write(path, {"pid": 1, "beats": 5, "time": 50.0, "phase": "serving"})
+    assert HeartbeatTracker(path, clock=lambda: 10.0).sample().age_s == 0.0

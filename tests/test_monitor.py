@@ -1,0 +1,363 @@
+"""Monitor.tick with fakes; the state file, status, metrics, logs; Watcher."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from typing import List
+
+import pytest
+from click.testing import CliRunner
+
+from mlx_watchdog.act import ActionResult, RestartPolicy
+from mlx_watchdog.cli import main
+from mlx_watchdog.judge import (
+    BUSY,
+    CRASH_LOOPING,
+    FAILING,
+    HEALTHY,
+    NO_PROGRESS,
+    STARTING,
+    WEDGED,
+    Judge,
+    JudgeConfig,
+)
+from mlx_watchdog.log import Events, setup_logging
+from mlx_watchdog.metrics import Metrics
+from mlx_watchdog.monitor import Monitor
+from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
+from mlx_watchdog.process import ProcessSample
+from mlx_watchdog.state import StateStore, format_status, read_state
+from mlx_watchdog.watch import Watcher
+
+GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
+TIMEOUT = ProbeResult(UNHEALTHY, 10.0, reason="timed out after 10s")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeProcess:
+    def __init__(self, cpu_s: float):
+        self.cpu_s = cpu_s
+        self.resets = 0
+
+    def sample(self, rescan=True) -> ProcessSample:
+        return ProcessSample(alive=True, cpu_s=self.cpu_s, wall_s=5.0)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+class FakeAction:
+    def __init__(self, ok: bool = True):
+        self.ok = ok
+        self.reasons: List[str] = []
+
+    def restart(self, reason: str) -> ActionResult:
+        self.reasons.append(reason)
+        return ActionResult(self.ok, "did it" if self.ok else "launchctl: command not found")
+
+
+@pytest.fixture
+def logs():
+    stream = io.StringIO()
+    setup_logging("json", stream, level=logging.DEBUG)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    setup_logging("text")
+
+
+def make_monitor(tmp_path, probes, *, cpu=0.0, action=None, boot_grace=0.0, failures=2,
+                 clock=None):
+    clock = clock or Clock()
+    feed = iter(probes)
+
+    def probe():
+        clock.now += 5
+        return next(feed)
+
+    monitor = Monitor(
+        "gemma",
+        probe,
+        judge=Judge(JudgeConfig(failures=failures)),
+        policy=RestartPolicy(boot_grace_s=boot_grace, backoff_initial_s=0),
+        action=action,
+        url="http://user:pw@127.0.0.1:8080",
+        process=FakeProcess(cpu),
+        metrics=Metrics(),
+        state=StateStore(tmp_path / "state.json"),
+        clock=clock,
+        wall_clock=clock,
+    )
+    return monitor
+
+
+def test_healthy_tick_reports_everywhere(tmp_path, logs):
+    monitor = make_monitor(tmp_path, [GOOD])
+    monitor.started()
+    verdict = monitor.tick()
+    assert verdict.state == HEALTHY
+    record = read_state(tmp_path / "state.json")["instances"]["gemma"]
+    assert record["state"] == HEALTHY and record["restarts"] == 0
+    assert record["url"] == "http://user:***@127.0.0.1:8080"
+    assert record["last_probe"]["status"] == "ok" and record["last_probe"]["latency_s"] == 0.2
+    metrics = monitor.metrics.render().decode()
+    assert 'mlx_watchdog_up{instance="gemma"} 1.0' in metrics
+    assert 'mlx_watchdog_state{instance="gemma",mlx_watchdog_state="healthy"} 1.0' in metrics
+    assert 'mlx_watchdog_probe_latency_seconds_count{instance="gemma"} 1.0' in metrics
+    events = [(e["event"], e["instance"]) for e in logs()]
+    assert events == [("state", "gemma"), ("state", "gemma")]  # starting, healthy
+
+
+def test_wedge_restarts_once_and_starts_afresh(tmp_path, logs):
+    action = FakeAction()
+    monitor = make_monitor(tmp_path, [GOOD, TIMEOUT, TIMEOUT, TIMEOUT], action=action,
+                           boot_grace=30)
+    monitor.policy.started(monitor.clock())
+    states = [monitor.tick().state for _ in range(3)]
+    assert states == [HEALTHY, FAILING, WEDGED]
+    assert len(action.reasons) == 1 and "CPU idle" in action.reasons[0]
+    assert monitor.process.resets == 1
+    # Boot grace after the restart: the next failure does not count.
+    assert monitor.tick().state == STARTING
+    record = read_state(tmp_path / "state.json")["instances"]["gemma"]
+    assert record["restarts"] == 1
+    assert record["last_restart"]["cause"] == NO_PROGRESS and record["last_restart"]["ok"]
+    metrics = monitor.metrics.render().decode()
+    assert 'mlx_watchdog_restarts_total{instance="gemma",reason="no-progress"} 1.0' in metrics
+    restart_logs = [e for e in logs() if e["event"] in ("restart", "restarted")]
+    assert [e["level"] for e in restart_logs] == ["warning", "info"]
+    assert restart_logs[0]["cause"] == NO_PROGRESS
+
+
+def test_busy_server_is_left_alone(tmp_path):
+    action = FakeAction()
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 30, cpu=2.0, action=action)
+    assert {monitor.tick().state for _ in range(30)} == {BUSY}
+    assert action.reasons == []
+
+
+def test_failing_action_counts_and_ends_in_a_crash_loop(tmp_path, logs):
+    action = FakeAction(ok=False)
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 40, action=action, failures=1)
+    verdicts = [monitor.tick() for _ in range(40)]
+    assert len(action.reasons) == 5  # the per-window cap, then a pause
+    assert verdicts[-1].state == CRASH_LOOPING and not verdicts[-1].restart
+    assert "crash loop" in verdicts[-1].reason
+    assert "restart failed: launchctl: command not found" in verdicts[0].reason
+    assert any(e["event"] == "restart-failed" for e in logs())
+    record = read_state(tmp_path / "state.json")["instances"]["gemma"]
+    assert record["state"] == CRASH_LOOPING and record["last_restart"]["ok"] is False
+
+
+def test_monitor_only_never_restarts(tmp_path):
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 3, action=None)
+    verdicts = [monitor.tick() for _ in range(3)]
+    assert verdicts[-1].state == WEDGED and not verdicts[-1].restart
+    assert "monitor only" in verdicts[-1].reason and monitor.restarts == 0
+
+
+def test_state_changes_are_logged_once(tmp_path, logs):
+    monitor = make_monitor(tmp_path, [GOOD] * 5)
+    for _ in range(5):
+        monitor.tick()
+    assert len([e for e in logs() if e["event"] == "state"]) == 1
+
+
+def test_an_unwritable_state_file_is_a_warning_not_a_crash(tmp_path, logs):
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    monitor = make_monitor(tmp_path, [GOOD, GOOD])
+    monitor.state = StateStore(tmp_path / "blocker" / "state.json")
+    monitor.tick()
+    monitor.tick()
+    warnings = [e for e in logs() if e["event"] == "state-file"]
+    assert len(warnings) == 1 and "cannot write state file" in warnings[0]["message"]
+
+
+# -- the state file and `status` -------------------------------------------------
+
+
+def test_state_file_keeps_other_daemons_instances(tmp_path):
+    path = tmp_path / "state.json"
+    other = {"state": "healthy", "daemon_pid": 999999999, "url": "http://x"}
+    path.write_text(json.dumps({"version": 1, "instances": {"other": other}}))
+    store = StateStore(path)
+    store.update("mine", {"state": "busy"})
+    instances = read_state(path)["instances"]
+    assert set(instances) == {"other", "mine"}
+    assert not list(tmp_path.glob(".state.json.*"))  # no temporary left behind
+
+
+def test_format_status():
+    data = {
+        "instances": {
+            "gemma": {
+                "state": "wedged", "reason": "timed out; CPU idle", "since": 900.0,
+                "url": "http://127.0.0.1:8080",
+                "last_probe": {"status": "unhealthy", "latency_s": 10.0, "reason": "timed out",
+                               "time": 995.0},
+                "restarts": 2,
+                "last_restart": {"time": 400.0, "cause": "no-progress", "ok": True,
+                                 "detail": "ran launchctl"},
+                "daemon_pid": 4242, "updated": 995.0,
+            }
+        }
+    }
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: False)
+    assert "gemma: wedged for 1m40s  http://127.0.0.1:8080" in text
+    assert "last probe: unhealthy in 10.00s, 5s ago (timed out)" in text
+    assert "restarts: 2, last 10m00s ago (no-progress, ok: ran launchctl)" in text
+    assert "pid 4242) is not running" in text
+
+
+def test_status_cli(tmp_path):
+    path = tmp_path / "state.json"
+    missing = CliRunner().invoke(main, ["status", "--state-file", str(path)])
+    assert missing.exit_code == 1 and "no state file at" in missing.output
+    StateStore(path).update("gemma", {"state": "healthy", "since": 0, "restarts": 0})
+    text = CliRunner().invoke(main, ["status", "--state-file", str(path)])
+    assert text.exit_code == 0 and "gemma: healthy" in text.output
+    as_json = CliRunner().invoke(main, ["status", "--json", "--state-file", str(path)])
+    assert json.loads(as_json.output)["instances"]["gemma"]["state"] == "healthy"
+    path.write_text("not json")
+    broken = CliRunner().invoke(main, ["status", "--state-file", str(path)])
+    assert broken.exit_code == 1 and "cannot read" in broken.output
+
+
+def test_status_default_path_follows_xdg(tmp_path):
+    result = CliRunner().invoke(main, ["status"], env={"XDG_STATE_HOME": str(tmp_path)})
+    assert result.exit_code == 1
+    assert str(tmp_path / "mlx-watchdog" / "state.json") in result.output
+
+
+# -- logs ----------------------------------------------------------------------------
+
+
+def test_json_log_lines(logs):
+    Events("gemma").warning("restart", "restarting: wedged", cause="no-progress", level="x")
+    [line] = logs()
+    assert line["event"] == "restart" and line["instance"] == "gemma"
+    assert line["level"] == "warning" and line["message"] == "restarting: wedged"
+    assert line["cause"] == "no-progress" and line["field_level"] == "x"
+    assert "T" in line["time"]
+
+
+def test_text_log_lines():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    try:
+        Events("gemma").info("restarted", "ran launchctl", pid=12)
+    finally:
+        setup_logging("text")
+    assert "INFO    [gemma] restarted: ran launchctl pid=12" in stream.getvalue()
+
+
+# -- Watcher ---------------------------------------------------------------------------
+
+
+def test_watcher_ticks_every_monitor_until_stopped():
+    ticked = {"a": threading.Event(), "b": threading.Event()}
+
+    class Ticking:
+        state = None
+
+        def __init__(self, name):
+            self.name = name
+            self.events = Events(name)
+
+        def started(self):
+            pass
+
+        def tick(self):
+            ticked[self.name].set()
+            if self.name == "b":
+                raise RuntimeError("a bug in one monitor")
+
+    watcher = Watcher({n: Ticking(n) for n in ticked}, {"a": 0.01, "b": 0.01})
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(watcher.run()))
+    thread.start()
+    try:
+        assert all(event.wait(10) for event in ticked.values())
+    finally:
+        watcher.request_stop()
+        thread.join(10)
+    assert outcome == [0]
+
+
+def test_state_store_writes_changes_at_once_and_the_rest_at_most_every_interval(tmp_path):
+    path = tmp_path / "state.json"
+    store = StateStore(path, min_interval_s=3600)
+    store.update("a", {"state": "healthy", "n": 1})
+    store.update("a", {"state": "healthy", "n": 2})  # same state, too soon
+    assert read_state(path)["instances"]["a"]["n"] == 1
+    store.update("a", {"state": "busy", "n": 3})  # a change: written at once
+    assert read_state(path)["instances"]["a"]["n"] == 3
+    store.update("a", {"state": "busy", "n": 4})
+    store.flush()
+    assert read_state(path)["instances"]["a"]["n"] == 4
+
+
+def test_metrics_server(tmp_path):
+    import urllib.request
+
+    from tests.test_supervise import free_port
+
+    metrics = Metrics()
+    metrics.observe("gemma", GOOD, HEALTHY)
+    port = free_port()
+    server = metrics.serve(port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'mlx_watchdog_up{instance="gemma"} 1.0' in text
+
+
+def test_watch_command_runs_until_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.fakeserver import FakeServer
+
+    state = tmp_path / "state.json"
+    with FakeServer() as server:
+        config = tmp_path / "watch.toml"
+        config.write_text(
+            f'[instances.gemma]\nurl = "{server.url}"\ninterval = 0.2\n'
+            f'restart = {{ type = "none" }}\n'
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_watchdog.cli", "watch", "--config", str(config),
+             "--state-file", str(state), "--log-format", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if read_state(state)["instances"]["gemma"]["state"] == HEALTHY:
+                        break
+                except (OSError, ValueError, KeyError):
+                    pass
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGTERM)
+            output, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, output
+    assert read_state(state)["instances"]["gemma"]["state"] == HEALTHY
+    assert '"event": "watch"' in output

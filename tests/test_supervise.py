@@ -1,0 +1,458 @@
+"""supervise: Supervisor.tick with fakes, then a real supervisor process with a
+tiny fake server as its child (tests/fakeserver.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import psutil
+import pytest
+
+from mlx_watchdog import defaults
+from mlx_watchdog.act import RestartPolicy
+from mlx_watchdog.judge import (
+    BUSY,
+    CRASH_LOOPING,
+    DOWN,
+    EXITED,
+    HEALTHY,
+    HEARTBEAT_STALE,
+    STARTING,
+    WEDGED,
+    JudgeConfig,
+)
+from mlx_watchdog.metrics import Metrics
+from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
+from mlx_watchdog.process import ProcessSample
+from mlx_watchdog.supervise import (
+    Supervisor,
+    SupervisorError,
+    describe_exit,
+    url_from_command,
+)
+
+GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
+TIMEOUT = ProbeResult(UNHEALTHY, 1.0, reason="timed out after 1s")
+REPO = Path(__file__).resolve().parents[1]
+FAKE_SERVER = REPO / "tests" / "fakeserver.py"
+
+
+# -- url_from_command ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, url",
+    [
+        (["mlx_lm.server", "--model", "m"], "http://127.0.0.1:8080"),
+        (["mlx_lm.server", "--port", "9000"], "http://127.0.0.1:9000"),
+        (["python", "-m", "mlx_lm", "server", "--port=9001", "--host=localhost"],
+         "http://localhost:9001"),
+        (["mlx_lm.server", "--host", "0.0.0.0", "--port", "81"], "http://127.0.0.1:81"),
+        (["mlx_lm.server", "--host", "::"], "http://[::1]:8080"),
+        (["mlx_lm.server", "--host", "fe80::1"], "http://[fe80::1]:8080"),
+    ],
+)
+def test_url_from_command(command, url):
+    assert url_from_command(command) == url
+
+
+def test_url_from_command_rejects_a_bad_port():
+    with pytest.raises(ValueError):
+        url_from_command(["mlx_lm.server", "--port", "http"])
+
+
+def test_describe_exit():
+    assert "generation thread" in describe_exit(defaults.SHIM_EXIT_CODE)
+    assert describe_exit(-9) == "was killed by SIGKILL"
+    assert describe_exit(1) == "exited with code 1"
+
+
+# -- tick() with fakes ------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeChild:
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.code = None
+        self.stops: List[tuple] = []
+        self.signals: List[int] = []
+
+    def poll(self):
+        return self.code
+
+    def stop(self, grace_s, sig=signal.SIGTERM):
+        self.stops.append((grace_s, sig))
+        if self.code is None:
+            self.code = -signal.SIGTERM
+        return self.code
+
+    def signal_group(self, sig):
+        self.signals.append(sig)
+
+
+class FakeSpawner:
+    def __init__(self):
+        self.children: List[FakeChild] = []
+        self.envs: List[dict] = []
+        self.argvs: List[list] = []
+        self.fail = None
+
+    def __call__(self, argv, env):
+        if self.fail is not None:
+            raise self.fail
+        child = FakeChild(1000 + len(self.children))
+        self.children.append(child)
+        self.argvs.append(argv)
+        self.envs.append(dict(env))
+        return child
+
+    @property
+    def current(self) -> FakeChild:
+        return self.children[-1]
+
+
+class FakeProcess:
+    def __init__(self):
+        self.cpu_s = 0.0
+
+    def sample(self, rescan=True):
+        return ProcessSample(alive=True, cpu_s=self.cpu_s, wall_s=5.0)
+
+    def reset(self):
+        pass
+
+
+class Probes:
+    def __init__(self, clock):
+        self.clock = clock
+        self.next = GOOD
+
+    def __call__(self):
+        self.clock.now += 5
+        return self.next
+
+
+def make(tmp_path, *, boot_grace=0.0, max_restarts=5, backoff=1.0):
+    clock = Clock()
+    spawner = FakeSpawner()
+    probes = Probes(clock)
+    process = FakeProcess()
+    supervisor = Supervisor(
+        ["mlx_lm.server", "--port", "8080"],
+        probe=probes,
+        name="test",
+        url="http://127.0.0.1:8080",
+        env={"PATH": "/usr/bin"},
+        heartbeat_file=tmp_path / "heartbeat.json",
+        judge_config=JudgeConfig(failures=2),
+        policy=RestartPolicy(boot_grace_s=boot_grace, backoff_initial_s=backoff,
+                             max_restarts=max_restarts, window_s=300),
+        stop_grace_s=3,
+        spawn=spawner,
+        process=process,
+        metrics=Metrics(),
+        clock=clock,
+        wall_clock=clock,
+    )
+    return supervisor, spawner, probes, process, clock
+
+
+def test_start_spawns_the_command_with_the_heartbeat_file(tmp_path):
+    supervisor, spawner, *_ = make(tmp_path)
+    (tmp_path / "heartbeat.json").write_text("left over from a previous child")
+    supervisor.start()
+    assert spawner.argvs == [["mlx_lm.server", "--port", "8080"]]
+    assert spawner.envs[0][defaults.HEARTBEAT_ENV] == str(tmp_path / "heartbeat.json")
+    assert spawner.envs[0]["PATH"] == "/usr/bin"
+    assert not (tmp_path / "heartbeat.json").exists()
+    assert supervisor.monitor.verdict.state == STARTING
+
+
+def test_a_command_that_cannot_run_fails_the_start(tmp_path):
+    supervisor, spawner, *_ = make(tmp_path)
+    spawner.fail = FileNotFoundError(2, "No such file or directory")
+    with pytest.raises(SupervisorError, match="cannot run 'mlx_lm.server': No such file"):
+        supervisor.start()
+
+
+def test_child_exit_is_restarted_at_once(tmp_path):
+    supervisor, spawner, *_ = make(tmp_path)
+    supervisor.start()
+    assert supervisor.tick().state == HEALTHY
+    spawner.current.code = 70
+    verdict = supervisor.tick()
+    assert verdict.cause == EXITED and "generation thread" in verdict.reason
+    assert len(spawner.children) == 2 and supervisor.child is spawner.current
+    assert supervisor.monitor.restarts == 1
+
+
+def test_repeated_exits_back_off_then_crash_loop(tmp_path):
+    supervisor, spawner, probes, _, clock = make(tmp_path, max_restarts=2, backoff=1.0)
+    supervisor.start()
+    spawner.current.code = 1
+    assert supervisor.tick().state == DOWN  # restarted at once
+    assert len(spawner.children) == 2
+    spawner.current.code = 1
+    clock.now += 5  # past the 1 s backoff
+    supervisor.tick()
+    assert len(spawner.children) == 3
+    spawner.current.code = 1
+    clock.now += 0.5
+    verdict = supervisor.tick()  # 2 restarts in the window: paused
+    assert verdict.state == CRASH_LOOPING and len(spawner.children) == 3
+    for _ in range(10):  # stays paused, no spinning
+        clock.now += 5
+        assert supervisor.tick().state == CRASH_LOOPING
+    assert len(spawner.children) == 3
+    clock.now += 300  # the window clears
+    supervisor.tick()
+    assert len(spawner.children) == 4
+
+
+def test_backoff_waits_between_restarts(tmp_path):
+    supervisor, spawner, probes, _, clock = make(tmp_path, backoff=60.0)
+    supervisor.start()
+    spawner.current.code = 1
+    supervisor.tick()
+    spawner.current.code = 1
+    clock.now += 5
+    verdict = supervisor.tick()
+    assert verdict.state == DOWN and "backoff" in verdict.reason
+    assert len(spawner.children) == 2
+    clock.now += 60
+    supervisor.tick()
+    assert len(spawner.children) == 3
+
+
+def test_wedged_child_is_stopped_and_replaced(tmp_path):
+    supervisor, spawner, probes, process, _ = make(tmp_path)
+    supervisor.start()
+    first = spawner.current
+    supervisor.tick()
+    probes.next = TIMEOUT  # and the CPU is idle
+    verdicts = [supervisor.tick().state for _ in range(2)]
+    assert verdicts[-1] == WEDGED
+    assert first.stops == [(3, signal.SIGTERM)]
+    assert len(spawner.children) == 2
+
+
+def test_busy_child_is_left_alone(tmp_path):
+    supervisor, spawner, probes, process, _ = make(tmp_path)
+    supervisor.start()
+    probes.next, process.cpu_s = TIMEOUT, 2.5
+    assert {supervisor.tick().state for _ in range(50)} == {BUSY}
+    assert len(spawner.children) == 1 and spawner.current.stops == []
+
+
+def test_stale_heartbeat_wins_over_busy_cpu(tmp_path):
+    supervisor, spawner, probes, process, _ = make(tmp_path)
+    supervisor.start()
+    heartbeat = {"pid": 1000, "beats": 10, "time": time.time() - 100, "phase": "serving"}
+    (tmp_path / "heartbeat.json").write_text(json.dumps(heartbeat))
+    probes.next, process.cpu_s = TIMEOUT, 2.5
+    verdicts = [supervisor.tick() for _ in range(2)]
+    assert verdicts[-1].state == WEDGED and verdicts[-1].cause == HEARTBEAT_STALE
+    assert len(spawner.children) == 2
+
+
+def test_boot_grace_protects_a_slow_start(tmp_path):
+    supervisor, spawner, probes, process, _ = make(tmp_path, boot_grace=60)
+    supervisor.start()
+    probes.next = TIMEOUT
+    assert {supervisor.tick().state for _ in range(11)} == {STARTING}  # 55 s
+    assert len(spawner.children) == 1
+
+
+def test_stop_forwards_the_signal_at_once_and_never_respawns(tmp_path):
+    supervisor, spawner, *_ = make(tmp_path)
+    supervisor.start()
+    child = spawner.current
+    supervisor.request_stop(signal.SIGINT)
+    assert child.signals == [signal.SIGINT]
+    child.code = -signal.SIGINT
+    assert "shutting down" in supervisor.tick().reason
+    assert len(spawner.children) == 1
+    assert not supervisor.restart("wedged").ok
+    supervisor.child = child
+    supervisor.shutdown()
+    assert child.stops == [(3, None)]  # not signalled twice; SIGKILL after the grace
+
+
+# -- a real supervisor process -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, log: Path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}; supervisor log:\n{log.read_text()[-4000:]}")
+
+
+class RealSupervisor:
+    def __init__(self, tmp_path: Path, first_start: str):
+        self.starts = tmp_path / "starts"
+        self.state = tmp_path / "state.json"
+        self.log = tmp_path / "supervisor.log"
+        port = free_port()
+        command = [
+            sys.executable, "-m", "mlx_watchdog.cli", "supervise", "--no-shim",
+            "--probe-interval", "0.2", "--probe-timeout", "1", "--failures", "2",
+            "--boot-grace", "20", "--stop-grace", "3", "--state-file", str(self.state),
+            "--log-format", "json", "--",
+            sys.executable, str(FAKE_SERVER), "--port", str(port), "--starts", str(self.starts),
+            "--first-start", first_start,
+        ]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def child_pids(self) -> List[int]:
+        try:
+            return [int(line) for line in self.starts.read_text().split()]
+        except FileNotFoundError:
+            return []
+
+    def record(self) -> dict:
+        try:
+            return json.loads(self.state.read_text())["instances"][next(iter(
+                json.loads(self.state.read_text())["instances"]))]
+        except (FileNotFoundError, ValueError, StopIteration):
+            return {}
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pid in self.child_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def real_supervisor(tmp_path):
+    started = []
+
+    def start(first_start: str) -> RealSupervisor:
+        supervisor = RealSupervisor(tmp_path, first_start)
+        started.append(supervisor)
+        return supervisor
+
+    yield start
+    for supervisor in started:
+        supervisor.cleanup()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_real_child_that_exits_is_restarted(real_supervisor):
+    sup = real_supervisor("exit")
+    wait_for(lambda: len(sup.child_pids()) >= 2, 30, "a second start", sup.log)
+    wait_for(lambda: sup.record().get("restarts", 0) >= 1, 10, "the restart recorded", sup.log)
+    assert sup.record()["last_restart"]["cause"] == EXITED
+    assert "code 70" in sup.log.read_text()
+    wait_for(lambda: sup.record().get("state") == HEALTHY, 30, "healthy again", sup.log)
+    assert sup.terminate() == 0
+
+
+def test_real_child_that_hangs_is_restarted(real_supervisor):
+    sup = real_supervisor("hang")
+    wait_for(lambda: len(sup.child_pids()) >= 2, 30, "a second start", sup.log)
+    first = sup.child_pids()[0]
+    wait_for(lambda: gone(first), 10, "the hung child to be gone", sup.log)
+    wait_for(lambda: sup.record().get("restarts", 0) >= 1, 10, "the restart recorded", sup.log)
+    assert sup.record()["last_restart"]["cause"] in ("no-progress", "busy-too-long")
+    assert sup.terminate() == 0
+
+
+def test_sigterm_stops_the_child_and_exits_0(real_supervisor):
+    sup = real_supervisor("ok")
+    wait_for(lambda: sup.record().get("state") == HEALTHY, 30, "a healthy child", sup.log)
+    [child] = sup.child_pids()
+    assert sup.terminate() == 0
+    wait_for(lambda: gone(child), 10, "the child to be gone", sup.log)
+    events = [json.loads(line)["event"] for line in sup.log.read_text().splitlines()
+              if line.startswith("{")]
+    assert "stopping" in events and "stopped" in events
+
+
+# -- the CLI's own checks -------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    # supervise points the log at CliRunner's stream, closed after the test.
+    yield
+    from mlx_watchdog.log import setup_logging
+
+    setup_logging("text")
+
+
+def test_cli_needs_a_port_it_can_read():
+    from click.testing import CliRunner
+
+    from mlx_watchdog.cli import main
+
+    result = CliRunner().invoke(main, ["supervise", "--", "mlx_lm.server", "--port", "http"])
+    assert result.exit_code == 2 and "pass --url" in result.output
+
+
+def test_cli_without_the_shim_says_how_to_go_on(monkeypatch):
+    from click.testing import CliRunner
+
+    from mlx_watchdog import shim
+    from mlx_watchdog.cli import main
+
+    def missing(env=None):
+        raise FileNotFoundError("mlx-watchdog: the hotfix drop-in folder is missing")
+
+    monkeypatch.setattr(shim, "with_shim", missing)
+    result = CliRunner().invoke(main, ["supervise", "--", "mlx_lm.server"])
+    assert result.exit_code == 1 and "--no-shim" in result.output
+
+
+def test_cli_command_not_found(tmp_path):
+    from click.testing import CliRunner
+
+    from mlx_watchdog.cli import main
+
+    result = CliRunner().invoke(
+        main,
+        ["supervise", "--no-shim", "--state-file", str(tmp_path / "s.json"), "--",
+         str(tmp_path / "no-such-server")],
+    )
+    assert result.exit_code == 1 and "cannot run" in result.output

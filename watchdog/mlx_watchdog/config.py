@@ -1,0 +1,381 @@
+"""The `watch` config file (TOML), validated whole before anything starts.
+
+    state_file = "~/.local/state/mlx-watchdog/state.json"   # optional
+    metrics_port = 9464                                      # optional
+    metrics_host = "127.0.0.1"                               # optional
+    log_format = "json"                                      # optional: text | json
+
+    [instances.gemma]
+    url = "http://127.0.0.1:8080"
+    model = "default_model"
+    heartbeat_file = "/tmp/gemma.heartbeat"      # optional, see heartbeat.py
+    pidfile = "/usr/local/var/run/gemma.pid"     # optional CPU evidence
+    restart = { type = "launchd", label = "com.example.mlx-gemma" }
+
+Instance keys (defaults in defaults.py): url (required), model, api_key or
+api_key_env (the name of an environment variable holding it), interval,
+timeout, failures, boot_grace, health_check, heartbeat_file,
+heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window, and at
+most one of pid, pidfile, process_match (a regular expression) to find the
+process for CPU evidence. A fixed pid only suits a process that is never
+replaced; prefer pidfile or process_match. A signal restart's target doubles
+as the CPU evidence when none is given.
+
+The restart table (required) is one of:
+    { type = "launchd", label = "...", uid = 501, domain = "gui/501" }   # uid, domain optional
+    { type = "systemd", unit = "...", user = true }
+    { type = "signal", pid = N | pidfile = "..." | match = "...", grace = 10 }
+    { type = "command", argv = ["/path/to/restart", "arg"] }
+    { type = "none" }                                   # watch and report only
+launchd, systemd and command also take timeout (seconds).
+
+Every mistake is a ConfigError naming the file, the key and what was
+expected: `watch.toml: instances.gemma.restart.type: expected one of ...`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from . import defaults
+from .log import FORMATS
+from .redact import Secret
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+RESTART_TYPES = ("launchd", "systemd", "signal", "command", "none")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+class ConfigError(Exception):
+    """A config mistake: which file, which key, what was expected."""
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    type: str
+    label: Optional[str] = None  # launchd
+    uid: Optional[int] = None  # launchd
+    domain: Optional[str] = None  # launchd
+    unit: Optional[str] = None  # systemd
+    user: bool = True  # systemd
+    pid: Optional[int] = None  # signal
+    pidfile: Optional[str] = None  # signal
+    match: Optional[str] = None  # signal
+    grace: float = defaults.STOP_GRACE_S  # signal
+    argv: Optional[Tuple[str, ...]] = None  # command
+    timeout: float = defaults.ACTION_TIMEOUT_S  # launchd, systemd, command
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    name: str
+    url: str
+    restart: RestartConfig
+    model: str = defaults.MODEL
+    api_key: Optional[Secret] = None  # Secret: shows as '***' in any repr
+    interval: float = defaults.PROBE_INTERVAL_S
+    timeout: float = defaults.PROBE_TIMEOUT_S
+    failures: int = defaults.FAILURES
+    boot_grace: float = defaults.BOOT_GRACE_S
+    health_check: bool = defaults.CHECK_HEALTH
+    heartbeat_file: Optional[str] = None
+    heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S
+    max_busy: float = defaults.MAX_BUSY_S
+    cpu_busy: float = defaults.CPU_BUSY_FRACTION
+    pid: Optional[int] = None
+    pidfile: Optional[str] = None
+    process_match: Optional[str] = None
+    max_restarts: int = defaults.MAX_RESTARTS
+    restart_window: float = defaults.RESTART_WINDOW_S
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    path: str
+    instances: Tuple[InstanceConfig, ...]
+    state_file: Optional[str] = None
+    metrics_port: Optional[int] = None
+    metrics_host: str = defaults.METRICS_HOST
+    log_format: str = defaults.LOG_FORMAT
+
+
+# -- value checks: each returns the clean value or raises _Bad(expectation) ---
+
+
+class _Bad(Exception):
+    pass
+
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a non-empty string")
+    return value
+
+
+def _path(value: Any) -> str:
+    return os.path.expanduser(_string(value))
+
+
+def _url(value: Any) -> str:
+    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
+        raise _Bad('a URL like "http://127.0.0.1:8080"')
+    return value.rstrip("/")
+
+
+def _number(
+    minimum: float, *, integer: bool = False, inclusive: bool = False, what: str = ""
+) -> Callable[[Any], Any]:
+    kind = "a whole number" if integer else "a number"
+    bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+    expected = f"{kind}{' of ' + what if what else ''} {bound}"
+
+    def check(value: Any) -> Any:
+        types = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise _Bad(expected)
+        if value < minimum or (value == minimum and not inclusive):
+            raise _Bad(expected)
+        return value
+
+    return check
+
+
+_seconds = _number(0, what="seconds")
+_seconds_or_zero = _number(0, inclusive=True, what="seconds")
+_count = _number(1, integer=True, inclusive=True)
+_pid = _number(1, integer=True, inclusive=True)
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        raise _Bad("a port number from 1 to 65535")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad("true or false")
+    return value
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in options:
+            raise _Bad("one of " + ", ".join(f'"{o}"' for o in options))
+        return value
+
+    return check
+
+
+def _regex(value: Any) -> str:
+    text = _string(value)
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise _Bad(f"a valid regular expression ({exc})") from None
+    return text
+
+
+def _argv(value: Any) -> Tuple[str, ...]:
+    expected = 'a list of strings like ["/usr/local/bin/restart-mlx", "--now"]'
+    if isinstance(value, str):
+        raise _Bad(expected + " (a list, not one string: no shell is involved)")
+    if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
+        raise _Bad(expected)
+    return tuple(value)
+
+
+def _env_var(value: Any) -> str:
+    name = _string(value)
+    if name not in os.environ:
+        raise _Bad(f"the name of a set environment variable ({name} is not set)")
+    return name
+
+
+REQUIRED = object()
+
+_GLOBAL = {
+    "state_file": (_path, None),
+    "metrics_port": (_port, None),
+    "metrics_host": (_string, defaults.METRICS_HOST),
+    "log_format": (_choice(*FORMATS), defaults.LOG_FORMAT),
+    "instances": (None, REQUIRED),  # checked on its own
+}
+
+_INSTANCE = {
+    "url": (_url, REQUIRED),
+    "restart": (None, REQUIRED),  # checked on its own
+    "model": (_string, defaults.MODEL),
+    "api_key": (_string, None),
+    "api_key_env": (_env_var, None),
+    "interval": (_seconds, defaults.PROBE_INTERVAL_S),
+    "timeout": (_seconds, defaults.PROBE_TIMEOUT_S),
+    "failures": (_count, defaults.FAILURES),
+    "boot_grace": (_seconds_or_zero, defaults.BOOT_GRACE_S),
+    "health_check": (_bool, defaults.CHECK_HEALTH),
+    "heartbeat_file": (_path, None),
+    "heartbeat_timeout": (_seconds, defaults.HEARTBEAT_TIMEOUT_S),
+    "max_busy": (_seconds_or_zero, defaults.MAX_BUSY_S),
+    "cpu_busy": (_number(0, what="cores"), defaults.CPU_BUSY_FRACTION),
+    "pid": (_pid, None),
+    "pidfile": (_path, None),
+    "process_match": (_regex, None),
+    "max_restarts": (_count, defaults.MAX_RESTARTS),
+    "restart_window": (_seconds, defaults.RESTART_WINDOW_S),
+}
+
+_ACTION_TIMEOUT = (_seconds, defaults.ACTION_TIMEOUT_S)
+_RESTART = {
+    "launchd": {
+        "label": (_string, REQUIRED),
+        "uid": (_number(0, integer=True, inclusive=True), None),
+        "domain": (_string, None),
+        "timeout": _ACTION_TIMEOUT,
+    },
+    "systemd": {"unit": (_string, REQUIRED), "user": (_bool, True), "timeout": _ACTION_TIMEOUT},
+    "signal": {
+        "pid": (_pid, None),
+        "pidfile": (_path, None),
+        "match": (_regex, None),
+        "grace": (_seconds, defaults.STOP_GRACE_S),
+    },
+    "command": {"argv": (_argv, REQUIRED), "timeout": _ACTION_TIMEOUT},
+    "none": {},
+}
+_SECRET_KEYS = {"api_key"}
+
+
+class _Reader:
+    def __init__(self, path: str):
+        self.path = path
+
+    def error(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {key}: {message}")
+
+    def table(self, value: Any, key: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.error(key, f"expected a table, got {_shown(value)}")
+        return value
+
+    def fields(
+        self, data: Mapping[str, Any], prefix: str, spec: Mapping[str, Tuple[Any, Any]]
+    ) -> Dict[str, Any]:
+        for key in data:
+            if key not in spec:
+                close = difflib.get_close_matches(key, list(spec), n=1)
+                hint = f' (did you mean "{close[0]}"?)' if close else ""
+                known = ", ".join(sorted(spec))
+                raise self.error(f"{prefix}{key}", f"unknown key{hint}; expected one of: {known}")
+        values = {}
+        for key, (check, default) in spec.items():
+            if key not in data:
+                if default is REQUIRED:
+                    expected = "a table" if check is None else _expectation(check)
+                    raise self.error(f"{prefix}{key}", f"missing; expected {expected}")
+                values[key] = default
+            elif check is None:
+                values[key] = data[key]
+            else:
+                try:
+                    values[key] = check(data[key])
+                except _Bad as bad:
+                    got = "" if key in _SECRET_KEYS else f", got {_shown(data[key])}"
+                    raise self.error(f"{prefix}{key}", f"expected {bad}{got}") from None
+        return values
+
+
+def _expectation(check: Callable[[Any], Any]) -> str:
+    try:
+        check(object())
+    except _Bad as bad:
+        return str(bad)
+    return "a value"  # pragma: no cover
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"' if len(value) <= 60 else f'"{value[:57]}..."'
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
+
+
+def load_config(path: "str | os.PathLike[str]") -> WatchConfig:
+    """Read and validate path; ConfigError for any mistake."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {_toml_message(exc)}") from None
+    return parse_config(data, path)
+
+
+def _toml_message(exc: Exception) -> str:
+    text = str(exc)
+    twice = re.match(r"Cannot declare \((.*)\) twice(.*)", text)
+    if twice:
+        key = ".".join(re.findall(r"'([^']*)'", twice.group(1)))
+        what = "duplicate instance name" if key.startswith("instances.") else "declared twice"
+        return f"{key}: {what}{twice.group(2)}"
+    return f"TOML syntax error: {text}"
+
+
+def parse_config(data: Mapping[str, Any], path: str = "<config>") -> WatchConfig:
+    """Validate an already parsed TOML document."""
+    reader = _Reader(path)
+    top = reader.fields(data, "", _GLOBAL)
+    instances = reader.table(top.pop("instances"), "instances")
+    if not instances:
+        raise reader.error("instances", "expected at least one [instances.NAME] table")
+    parsed = tuple(_instance(reader, name, body) for name, body in instances.items())
+    return WatchConfig(path=path, instances=parsed, **top)
+
+
+def _instance(reader: _Reader, name: str, body: Any) -> InstanceConfig:
+    prefix = f"instances.{name}"
+    if not _NAME.match(name):
+        raise reader.error(prefix, "instance names may hold letters, digits and _ . : - only")
+    values = reader.fields(reader.table(body, prefix), prefix + ".", _INSTANCE)
+    if values["api_key"] is not None and values["api_key_env"] is not None:
+        raise reader.error(f"{prefix}.api_key_env", "expected api_key or api_key_env, not both")
+    key_env = values.pop("api_key_env")
+    api_key = values.pop("api_key") or (os.environ[key_env] if key_env else None)
+    evidence = [k for k in ("pid", "pidfile", "process_match") if values[k] is not None]
+    if len(evidence) > 1:
+        raise reader.error(
+            f"{prefix}.{evidence[1]}", "expected at most one of pid, pidfile, process_match"
+        )
+    restart = _restart(reader, values.pop("restart"), f"{prefix}.restart")
+    secret = Secret(api_key) if api_key else None
+    return InstanceConfig(name=name, restart=restart, api_key=secret, **values)
+
+
+def _restart(reader: _Reader, body: Any, prefix: str) -> RestartConfig:
+    table = dict(reader.table(body, prefix))
+    expected = "one of " + ", ".join(f'"{t}"' for t in RESTART_TYPES)
+    if "type" not in table:
+        raise reader.error(f"{prefix}.type", f"missing; expected {expected}")
+    kind = table.pop("type")
+    if kind not in RESTART_TYPES:
+        raise reader.error(f"{prefix}.type", f"expected {expected}, got {_shown(kind)}")
+    values = reader.fields(table, prefix + ".", _RESTART[kind])
+    if kind == "signal" and sum(values[k] is not None for k in ("pid", "pidfile", "match")) != 1:
+        expected = 'expected exactly one of pid, pidfile or match for type = "signal"'
+        raise reader.error(prefix, expected)
+    return RestartConfig(type=kind, **values)

@@ -1,0 +1,41 @@
+"""Every default the watchdog uses, in one place.
+
+The CLI, the config file and the library classes all read their defaults from
+here, so `mlx-watchdog supervise --help` and the README never disagree.
+"""
+
+URL = "http://127.0.0.1:8080"
+HOST = "127.0.0.1"  # mlx_lm.server's own default --host
+PORT = 8080  # mlx_lm.server's own default --port
+MODEL = "default_model"  # what mlx_lm.server calls the model given with --model
+
+# Probing
+PROBE_INTERVAL_S = 5.0
+PROBE_TIMEOUT_S = 10.0  # total, for /health plus the completion
+MAX_BODY_BYTES = 1 << 20
+# GET /health before the completion. Off: mlx-lm answers the completion itself
+# with 404 "generation thread died" once that thread is gone (0.32), and its
+# /health says 200 regardless (0.31); on, it costs a second request per probe.
+CHECK_HEALTH = False
+
+# Judging
+FAILURES = 3  # consecutive failed probes (without progress) before acting
+BOOT_GRACE_S = 60.0  # after each (re)start, failures do not count
+HEARTBEAT_TIMEOUT_S = 15.0  # a heartbeat older than this is stale
+CPU_BUSY_FRACTION = 0.05  # 5% of one core over the interval counts as progress
+MAX_BUSY_S = 600.0  # busy without any successful probe for this long => wedged
+
+# Restarting
+STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
+BACKOFF_INITIAL_S = 1.0
+BACKOFF_MAX_S = 300.0
+MAX_RESTARTS = 5  # per window; more than that is a crash loop
+RESTART_WINDOW_S = 300.0
+
+# Daemon
+METRICS_HOST = "127.0.0.1"
+LOG_FORMAT = "text"
+API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
+HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
+SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies

@@ -1,0 +1,184 @@
+"""Judge: busy or wedged? Pure logic, no I/O.
+
+Each tick the judge gets the evidence (the probe result, whether the process
+runs, how much CPU it used, the shim's heartbeat) and returns a Verdict: a
+state, a short reason, and whether to restart. The rule:
+
+1. A probe that got a token: **healthy**. All counters reset.
+2. Within the boot grace after a (re)start: **starting**. Failures do not count.
+3. The process is gone, or nothing listens on the port: **down**; restart after
+   `failures` consecutive failed probes.
+4. The server says its generation thread is gone (503 from /health, or
+   "generation thread died" from mlx-lm 0.32): **wedged** after `failures`
+   consecutive failed probes, whatever the CPU or heartbeat say. That thread is
+   dead and the process idles forever.
+5. Any other failed probe (timeout, error, garbage, no tokens) is not, on its
+   own, proof of a wedge: a healthy server saturated by long generations (say
+   `--decode-concurrency 1` with long requests queued) queues the probe behind
+   them and must not be restarted. So the judge looks for progress:
+   a. Shim heartbeat, authoritative when present. Phase "serving" and
+      advancing (or younger than `heartbeat_timeout`): **busy**, never
+      restarted. Stale (older, not advancing): **wedged** after `failures`
+      consecutive failed probes, even if the CPU is busy (a loop spinning
+      without iterating). Phase "loading": **busy** loading a model, with
+      the limit of (c).
+   b. No heartbeat, process CPU known (the process and its children): at
+      least `cpu_busy_fraction` of one core over the interval is progress:
+      **busy**. Below that for `failures` consecutive failed probes: **wedged**.
+   c. Busy on CPU (or loading) with no successful probe for `max_busy`
+      seconds since the failures began: **wedged** (0: no limit). Set it above
+      the longest queue you expect, or run the shim, whose heartbeat needs no
+      limit.
+   d. No heartbeat and no process to look at (a remote server): a timeout is
+      taken as busy, limited by `max_busy`; a wrong answer (5xx, garbage, no
+      tokens) counts towards **wedged** after `failures` in a row.
+   Until one of these limits is reached, a failure without progress is
+   **failing** (not yet acted on).
+
+**crash-looping** is not decided here: the restart policy (act.RestartPolicy)
+refuses restarts after too many in a window and the monitor reports that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from . import defaults
+from .heartbeat import LOADING, HeartbeatReading
+from .probe import UNREACHABLE, ProbeResult
+
+STARTING = "starting"
+HEALTHY = "healthy"
+BUSY = "busy"
+FAILING = "failing"
+WEDGED = "wedged"
+DOWN = "down"
+CRASH_LOOPING = "crash-looping"
+STATES = (STARTING, HEALTHY, BUSY, FAILING, WEDGED, DOWN, CRASH_LOOPING)
+
+# Causes of a restart: short, fixed strings (they label metrics).
+NOT_RUNNING = "not-running"
+UNREACHABLE_CAUSE = "unreachable"
+DEAD_THREAD = "dead-thread"
+HEARTBEAT_STALE = "heartbeat-stale"
+NO_PROGRESS = "no-progress"
+BAD_ANSWER = "bad-answer"
+BUSY_TOO_LONG = "busy-too-long"
+EXITED = "exited"  # used by the supervisor when its child exits
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    failures: int = defaults.FAILURES
+    cpu_busy_fraction: float = defaults.CPU_BUSY_FRACTION
+    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
+    max_busy_s: float = defaults.MAX_BUSY_S
+
+
+@dataclass(frozen=True)
+class Evidence:
+    probe: ProbeResult
+    now: float  # monotonic seconds
+    booting: bool = False  # within the boot grace of a (re)start
+    process_alive: Optional[bool] = None  # None: no process to look at
+    cpu_s: Optional[float] = None  # CPU seconds used since the previous tick...
+    wall_s: Optional[float] = None  # ...over this many seconds
+    heartbeat: Optional[HeartbeatReading] = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str
+    reason: str
+    restart: bool = False
+    cause: str = ""  # why a restart is wanted, one of the constants above
+
+
+class Judge:
+    def __init__(self, config: JudgeConfig = JudgeConfig()):
+        self.config = config
+        self.reset()
+
+    def reset(self) -> None:
+        """Start afresh, as for a newly started server."""
+        self._failures = 0  # consecutive failed probes
+        self._stalled = 0  # consecutive failed probes without progress
+        self._failing_since: Optional[float] = None
+
+    def observe(self, evidence: Evidence) -> Verdict:
+        probe = evidence.probe
+        if probe.ok:
+            self.reset()
+            return Verdict(HEALTHY, f"{probe.tokens} token(s) in {probe.latency_s:.2f}s")
+        if evidence.booting:
+            return Verdict(STARTING, f"boot grace: {probe.reason}")
+
+        self._failures += 1
+        if self._failing_since is None:
+            self._failing_since = evidence.now
+
+        if evidence.process_alive is False:
+            return self._count(DOWN, DOWN, self._failures, "process not running", NOT_RUNNING)
+        if probe.status == UNREACHABLE:
+            return self._count(DOWN, DOWN, self._failures, probe.reason, UNREACHABLE_CAUSE)
+        if probe.dead_thread:
+            return self._count(FAILING, WEDGED, self._failures, probe.reason, DEAD_THREAD)
+        return self._look_for_progress(evidence)
+
+    def _look_for_progress(self, evidence: Evidence) -> Verdict:
+        probe, beat = evidence.probe, evidence.heartbeat
+        if beat is not None and beat.phase == LOADING:
+            self._stalled = 0
+            return self._busy(evidence, f"{probe.reason}; loading a model")
+        if beat is not None:
+            if beat.advanced or beat.age_s <= self.config.heartbeat_timeout_s:
+                # The shim's heartbeat is authoritative: the loop is iterating.
+                self._stalled = 0
+                return Verdict(BUSY, f"{probe.reason}; generation loop alive (heartbeat)")
+            self._stalled += 1
+            return self._count(
+                FAILING,
+                WEDGED,
+                self._stalled,
+                f"{probe.reason}; heartbeat stale for {beat.age_s:.0f}s",
+                HEARTBEAT_STALE,
+            )
+        if evidence.cpu_s is not None and evidence.wall_s:
+            share = evidence.cpu_s / evidence.wall_s
+            if share >= self.config.cpu_busy_fraction:
+                self._stalled = 0
+                return self._busy(evidence, f"{probe.reason}; CPU {share:.0%} of a core")
+            self._stalled += 1
+            return self._count(
+                FAILING,
+                WEDGED,
+                self._stalled,
+                f"{probe.reason}; CPU idle ({share:.1%} of a core)",
+                NO_PROGRESS,
+            )
+        if probe.http_status is None or probe.http_status in (502, 504):
+            # No answer at all: as likely queued as stuck. Without evidence,
+            # give it the benefit of the doubt, up to max_busy.
+            return self._busy(evidence, f"{probe.reason}; no CPU or heartbeat to check")
+        self._stalled += 1
+        return self._count(FAILING, WEDGED, self._stalled, probe.reason, BAD_ANSWER)
+
+    def _count(self, state: str, final: str, count: int, reason: str, cause: str) -> Verdict:
+        needed = self.config.failures
+        if count >= needed:
+            return Verdict(final, f"{reason} ({count} failed probes in a row)", True, cause)
+        return Verdict(state, f"{reason} ({count}/{needed})")
+
+    def _busy(self, evidence: Evidence, reason: str) -> Verdict:
+        assert self._failing_since is not None
+        busy_for = evidence.now - self._failing_since
+        limit = self.config.max_busy_s
+        if limit and busy_for >= limit:
+            return Verdict(
+                WEDGED,
+                f"{reason}; no successful probe for {busy_for:.0f}s (max_busy {limit:g}s)",
+                True,
+                BUSY_TOO_LONG,
+            )
+        return Verdict(BUSY, reason)

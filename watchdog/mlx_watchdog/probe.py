@@ -1,0 +1,354 @@
+"""Probe: one real, one-token chat completion against an mlx_lm.server.
+
+A probe reports what it observed and nothing more; deciding what that means
+is judge.py's job. It never raises.
+
+- ``ok``: the server produced at least one token.
+- ``unhealthy``: it answered wrongly or not in time: a timeout, HTTP 5xx, a
+  4xx error body (mlx-lm 0.32 answers 404 {"error": "generation thread died"}
+  once its generation thread is gone), 503 from /health, or a 200 without
+  tokens or with a malformed body.
+- ``unreachable``: nothing listens there (connection refused, unknown host).
+
+The completion has no ``seed`` and uses the configured model name: in mlx-lm a
+request whose seed or model differs from the running batch drains that batch,
+so a probe must look like ordinary traffic.
+
+The HTTP client is the standard library's http.client rather than requests:
+a probe is two small requests every few seconds per server, and requests
+costs several times the CPU for each; http.client also hands over the socket
+the total deadline needs (see _Deadline).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+from . import defaults
+from .redact import Secret, redact_url, scrub, secret
+
+OK = "ok"
+UNHEALTHY = "unhealthy"
+UNREACHABLE = "unreachable"
+
+DEAD_THREAD_ERROR = "generation thread died"  # mlx-lm 0.32's error text
+COMPLETIONS_PATH = "/v1/chat/completions"
+HEALTH_PATH = "/health"
+_REASON_CHARS = 200
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    status: str  # OK | UNHEALTHY | UNREACHABLE
+    latency_s: float
+    tokens: int = 0
+    reason: str = ""
+    http_status: Optional[int] = None  # of the request that decided the result
+    # The server itself said its generation thread is gone (503 from /health,
+    # or "generation thread died" in an error body): a definite wedge signal.
+    dead_thread: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Probe:
+    """Callable: `Probe(url)()` sends one probe and returns a ProbeResult.
+
+    `timeout` bounds the whole probe (/health and the completion together),
+    not each socket read: a server that dribbles one byte at a time would
+    otherwise hold a per-read timeout off forever.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = defaults.PROBE_TIMEOUT_S,
+        model: str = defaults.MODEL,
+        api_key: "Optional[str | Secret]" = None,
+        check_health: bool = defaults.CHECK_HEALTH,
+        max_body: int = defaults.MAX_BODY_BYTES,
+    ):
+        self.url = url.rstrip("/")
+        self.timeout = float(timeout)
+        self.model = model
+        self.api_key = api_key if isinstance(api_key, Secret) else secret(api_key)
+        self.check_health = check_health
+        self.max_body = max_body
+
+    def __repr__(self) -> str:
+        key = ", api_key='***'" if self.api_key else ""
+        return (
+            f"Probe(url={redact_url(self.url)!r}, model={self.model!r}, "
+            f"timeout={self.timeout:g}{key})"
+        )
+
+    def __call__(self) -> ProbeResult:
+        started = time.monotonic()
+        try:
+            with _Deadline(self.timeout) as deadline:
+                fields = self._exchange(deadline)
+        except _Failed as failure:
+            fields = failure.fields
+        except Exception as exc:  # never raise: a probe failure is an observation
+            fields = dict(status=UNHEALTHY, reason=_short(f"probe error: {exc!r}"))
+        return ProbeResult(latency_s=round(time.monotonic() - started, 4), **fields)
+
+    # -- internals ---------------------------------------------------------
+
+    def _exchange(self, deadline: "_Deadline") -> dict:
+        target = _Target.parse(self.url)
+        if self.check_health:
+            status, _ = self._send(target, deadline, "GET", HEALTH_PATH)
+            if status == 503:
+                return dict(
+                    status=UNHEALTHY,
+                    reason="/health: 503, generation thread not running",
+                    http_status=503,
+                    dead_thread=True,
+                )
+            # Any other answer: carry on. Proxies and older servers may lack
+            # /health; the completion is the real test.
+        payload = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": "ping"}],
+            "max_tokens": 1,
+            "stream": False,
+        }
+        status, body = self._send(target, deadline, "POST", COMPLETIONS_PATH, payload)
+        return _read_completion(status, body)
+
+    def _send(
+        self,
+        target: "_Target",
+        deadline: "_Deadline",
+        method: str,
+        path: str,
+        payload: Optional[dict] = None,
+    ) -> Tuple[int, bytes]:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise self._timed_out()
+        headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close"}
+        body = None
+        if payload is not None:
+            body = json.dumps(payload).encode()
+            headers["Content-Type"] = "application/json"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key.reveal()}"
+        conn = _Connection(target, remaining, deadline)
+        try:
+            try:
+                conn.connect()
+            except OSError as exc:
+                if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
+                    raise self._timed_out() from None
+                if isinstance(exc, ssl.SSLError):
+                    raise _Failed(UNHEALTHY, f"TLS handshake with {target.netloc} failed: {exc}")
+                # refused, unknown host, no route
+                raise _Failed(UNREACHABLE, f"cannot connect to {target.netloc}: {_oserror(exc)}")
+            try:
+                conn.request(method, target.path + path, body=body, headers=headers)
+                response = conn.getresponse()
+                data = response.read(self.max_body + 1)
+            except (OSError, http.client.HTTPException) as exc:
+                if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
+                    raise self._timed_out() from None
+                raise _Failed(UNHEALTHY, f"{path}: connection broken: {_oserror(exc)}")
+        finally:
+            conn.close()
+        if deadline.expired:  # the body may have been cut short by the deadline
+            raise self._timed_out()
+        if len(data) > self.max_body:
+            too_big = f"{path}: body larger than {self.max_body} bytes"
+            raise _Failed(UNHEALTHY, too_big, response.status)
+        return response.status, data
+
+    def _timed_out(self) -> "_Failed":
+        return _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
+
+
+def _read_completion(status: int, body: bytes) -> dict:
+    data = _json(body)
+    if status == 200:
+        if not isinstance(data, dict):
+            return dict(status=UNHEALTHY, reason="200 with a malformed body", http_status=200)
+        tokens = _count_tokens(data)
+        if tokens < 1:
+            return dict(status=UNHEALTHY, reason="200 without any tokens", http_status=200)
+        return dict(status=OK, tokens=tokens, reason="ok", http_status=200)
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):  # OpenAI style {"error": {"message": ...}}
+        error = error.get("message")
+    text = str(error) if error is not None else body[:_REASON_CHARS].decode("utf-8", "replace")
+    return dict(
+        status=UNHEALTHY,
+        reason=_short(f"HTTP {status}: {text.strip() or '(empty body)'}"),
+        http_status=status,
+        dead_thread=DEAD_THREAD_ERROR in text,
+    )
+
+
+def _count_tokens(data: dict) -> int:
+    usage = data.get("usage")
+    if isinstance(usage, dict):
+        count = usage.get("completion_tokens")
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
+            return count
+    choices = data.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        for text in (message.get("content"), message.get("reasoning"), choice.get("text")):
+            if isinstance(text, str) and text:
+                return 1
+    return 0
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+
+
+class _Failed(Exception):
+    def __init__(self, status: str, reason: str, http_status: Optional[int] = None):
+        super().__init__(reason)
+        self.fields = dict(status=status, reason=_short(reason), http_status=http_status)
+
+
+def _oserror(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _short(text: str) -> str:
+    # scrub: a server may echo the key back in an error message.
+    text = scrub(" ".join(text.split()))
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class _Target:
+    tls: bool
+    host: str
+    port: int
+    netloc: str  # host:port as shown, without credentials
+    path: str  # a prefix, for a server mounted below / behind a proxy
+
+    @classmethod
+    def parse(cls, url: str) -> "_Target":
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise _Failed(UNREACHABLE, f"invalid URL {redact_url(url)!r}: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            expected = "expected http(s)://host:port"
+            raise _Failed(UNREACHABLE, f"invalid URL {redact_url(url)!r}: {expected}")
+        tls = parts.scheme == "https"
+        port = port or (443 if tls else 80)
+        host = parts.hostname
+        shown = f"[{host}]" if ":" in host else host
+        return cls(tls, host, port, f"{shown}:{port}", parts.path.rstrip("/"))
+
+
+# -- the connection and the total deadline ----------------------------------
+#
+# The deadline is a timer that shuts the probe's socket down when the budget
+# runs out, which makes any blocked read return at once. No thread is left
+# behind, whatever the server does.
+
+
+class _Deadline:
+    def __init__(self, seconds: float):
+        self._ends = time.monotonic() + seconds
+        self._sockets: List[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(seconds, 0.0), self._expire)
+        self._timer.daemon = True
+        self.expired = False
+
+    def remaining(self) -> float:
+        return 0.0 if self.expired else self._ends - time.monotonic()
+
+    def track(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if not self.expired:
+                return
+        _shutdown(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shutdown(sock)
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._timer.cancel()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Connection(http.client.HTTPConnection):
+    """HTTP or HTTPS; the socket is handed to the deadline as soon as it exists."""
+
+    def __init__(self, target: _Target, timeout: float, deadline: _Deadline):
+        super().__init__(target.host, target.port, timeout=timeout)
+        self._target = target
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        super().connect()  # TCP only
+        if self._target.tls:
+            # Hand over the TLS socket (wrapping detaches the plain one), then
+            # shake hands under the deadline.
+            self.sock = _tls_context().wrap_socket(
+                self.sock, server_hostname=self._target.host, do_handshake_on_connect=False
+            )
+            self._deadline.track(self.sock)
+            self.sock.do_handshake()
+        else:
+            self._deadline.track(self.sock)
+
+
+_tls: Optional[ssl.SSLContext] = None
+
+
+def _tls_context() -> ssl.SSLContext:
+    global _tls
+    if _tls is None:
+        try:  # certifi, when installed, spares macOS users a missing CA store
+            import certifi
+
+            _tls = ssl.create_default_context(cafile=certifi.where())
+        except ImportError:
+            _tls = ssl.create_default_context()
+    return _tls

@@ -1,0 +1,139 @@
+"""Watch: monitor servers that something else runs (launchd, systemd, ...).
+
+One Monitor per configured instance, each ticking on its own small thread so
+that a probe waiting out its timeout on one server never delays the others.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Dict, List, Optional
+
+from .act import (
+    CommandRestart,
+    LaunchdRestart,
+    RestartPolicy,
+    SignalRestart,
+    SystemdRestart,
+)
+from .config import InstanceConfig, RestartConfig
+from .heartbeat import HeartbeatTracker
+from .judge import Judge, JudgeConfig
+from .log import Events
+from .metrics import Metrics
+from .monitor import Monitor, RestartAction
+from .probe import Probe
+from .process import CpuSampler, ProcessLocator
+from .state import StateStore
+
+
+def build_action(spec: RestartConfig) -> Optional[RestartAction]:
+    """The restart action a [restart] table describes (None for type "none")."""
+    if spec.type == "launchd":
+        return LaunchdRestart(spec.label, spec.uid, domain=spec.domain, timeout=spec.timeout)
+    if spec.type == "systemd":
+        return SystemdRestart(spec.unit, spec.user, timeout=spec.timeout)
+    if spec.type == "signal":
+        return SignalRestart(spec.pid, spec.pidfile, spec.match, spec.grace)
+    if spec.type == "command":
+        return CommandRestart(list(spec.argv or ()), timeout=spec.timeout)
+    return None
+
+
+def build_locator(instance: InstanceConfig) -> Optional[ProcessLocator]:
+    """How to find the server process for CPU evidence, if we can."""
+    if instance.pid or instance.pidfile or instance.process_match:
+        return ProcessLocator(instance.pid, instance.pidfile, instance.process_match)
+    restart = instance.restart
+    if restart.type == "signal":  # the process we would signal is the server
+        return ProcessLocator(restart.pid, restart.pidfile, restart.match)
+    return None
+
+
+def build_monitor(
+    instance: InstanceConfig,
+    *,
+    metrics: Optional[Metrics] = None,
+    state: Optional[StateStore] = None,
+) -> Monitor:
+    locator = build_locator(instance)
+    return Monitor(
+        instance.name,
+        Probe(
+            instance.url,
+            timeout=instance.timeout,
+            model=instance.model,
+            api_key=instance.api_key,
+            check_health=instance.health_check,
+        ),
+        judge=Judge(
+            JudgeConfig(
+                failures=instance.failures,
+                cpu_busy_fraction=instance.cpu_busy,
+                heartbeat_timeout_s=instance.heartbeat_timeout,
+                max_busy_s=instance.max_busy,
+            )
+        ),
+        policy=RestartPolicy(
+            boot_grace_s=instance.boot_grace,
+            max_restarts=instance.max_restarts,
+            window_s=instance.restart_window,
+        ),
+        action=build_action(instance.restart),
+        url=instance.url,
+        heartbeat=HeartbeatTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        process=CpuSampler(locator.find_cached) if locator else None,
+        events=Events(instance.name),
+        metrics=metrics,
+        state=state,
+    )
+
+
+class Watcher:
+    """Runs monitors, each every `interval` seconds, until stopped."""
+
+    def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float]):
+        self.monitors = monitors
+        self.intervals = intervals
+        self._stop = threading.Event()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self) -> int:
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, self.request_stop)
+        threads: List[threading.Thread] = []
+        try:
+            for name, monitor in self.monitors.items():
+                thread = threading.Thread(
+                    target=self._loop, args=(monitor, self.intervals[name]), name=name, daemon=True
+                )
+                thread.start()
+                threads.append(thread)
+            while not self._stop.wait(3600):
+                pass
+        finally:
+            self._stop.set()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        for thread in threads:
+            thread.join(timeout=1.0)  # a probe in flight is abandoned at exit
+        for monitor in self.monitors.values():
+            if monitor.state is not None:
+                monitor.state.flush()
+        return 0
+
+    def _loop(self, monitor: Monitor, interval: float) -> None:
+        monitor.started()
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                monitor.tick()
+            except Exception:  # a bug in one monitor must not silence the others
+                monitor.events.exception("error", "tick failed")
+            self._stop.wait(max(0.0, interval - (time.monotonic() - began)))
