@@ -456,3 +456,41 @@ def test_cli_command_not_found(tmp_path):
          str(tmp_path / "no-such-server")],
     )
     assert result.exit_code == 1 and "cannot run" in result.output
+
+
+# -- stopping from a signal handler ----------------------------------------------------
+
+
+def test_wakeup_is_cut_short_by_a_signal_handler():
+    from mlx_watchdog.wakeup import Wakeup
+
+    wakeup = Wakeup()
+    previous = signal.signal(signal.SIGALRM, lambda *_: wakeup.wake())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        started = time.monotonic()
+        wakeup.sleep(30)
+        assert time.monotonic() - started < 20
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        wakeup.close()
+    wakeup.wake()  # closed: ignored, never raises
+    wakeup.sleep(0)
+
+
+def test_request_stop_from_a_storm_of_signals_never_deadlocks(tmp_path):
+    # The old Event-based stop could deadlock when a signal landed while the
+    # main thread held the Event's lock. Hammer the loop's sleep with signals.
+    supervisor, spawner, *_ = make(tmp_path)
+    supervisor.start()
+    previous = signal.signal(signal.SIGALRM, lambda signum, _: supervisor.request_stop(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+        for _ in range(300):
+            supervisor._wakeup.sleep(0.001)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert supervisor._stopping
+    assert spawner.current.signals == [signal.SIGALRM]  # forwarded once

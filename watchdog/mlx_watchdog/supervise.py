@@ -29,6 +29,7 @@ from .monitor import Monitor, ProcessEvidence
 from .probe import ProbeResult
 from .process import CpuSampler, ProcessNotFound, ProcessSample
 from .state import StateStore
+from .wakeup import Wakeup
 
 
 class SupervisorError(Exception):
@@ -161,8 +162,10 @@ class Supervisor:
         self._spawn = spawn
         self._clock = clock
         self._exit = "is not running"
-        self._stop = threading.Event()
+        # Stopping is flags and a pipe, never a lock: see wakeup.py.
+        self._stopping = False
         self._stop_signal = signal.SIGTERM
+        self._wakeup = Wakeup()
         self._signalled: Optional[int] = None  # the pid the stop signal went to
         self.monitor = Monitor(
             name,
@@ -199,7 +202,7 @@ class Supervisor:
                 self.events.warning("exited", f"server {self._exit}", returncode=code)
                 self.child = None
         if self.child is None:
-            if self._stop.is_set():
+            if self._stopping:
                 return Verdict(DOWN, f"server {self._exit}; shutting down")
             verdict = self.monitor.restart(Verdict(DOWN, f"server {self._exit}", True, EXITED))
             self.monitor.report(verdict)
@@ -208,7 +211,7 @@ class Supervisor:
 
     def restart(self, reason: str) -> ActionResult:
         """The monitor's restart action: stop the child (if any), start a new one."""
-        if self._stop.is_set():
+        if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.child is not None:
             pid, code = self.child.pid, self.child.stop(self.stop_grace_s)
@@ -217,7 +220,7 @@ class Supervisor:
         return self._spawn_child()
 
     def _spawn_child(self) -> ActionResult:
-        if self._stop.is_set():
+        if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.heartbeat_file is not None:
             try:  # a heartbeat left by the previous child would look stale
@@ -237,13 +240,15 @@ class Supervisor:
 
         Right away, not after the current tick: a service manager that gives
         up waiting would kill us and orphan the child in its own group.
+        Safe in a signal handler: no locks, no logging.
         """
         self._stop_signal = signum
-        self._stop.set()
+        self._stopping = True
         child = self.child
         if child is not None and self._signalled != child.pid:
             self._signalled = child.pid
             child.signal_group(signum)
+        self._wakeup.wake()
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT (or request_stop); returns the exit status, 0."""
@@ -254,16 +259,18 @@ class Supervisor:
                 previous[sig] = signal.signal(sig, lambda signum, _: self.request_stop(signum))
         try:
             self.start()
-            while not self._stop.is_set():
+            while not self._stopping:
                 began = self._clock()
                 self.tick()
                 # While waiting to respawn, look again soon: the backoff may be short.
                 interval = self.interval_s if self.child is not None else min(self.interval_s, 1.0)
-                self._stop.wait(max(0.0, interval - (self._clock() - began)))
+                if not self._stopping:
+                    self._wakeup.sleep(interval - (self._clock() - began))
         finally:
             self.shutdown()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._wakeup.close()
         return 0
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from .monitor import Monitor, RestartAction
 from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
+from .wakeup import Wakeup
 
 
 def build_action(spec: RestartConfig) -> Optional[RestartAction]:
@@ -97,10 +98,14 @@ class Watcher:
     def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float]):
         self.monitors = monitors
         self.intervals = intervals
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # for the monitor threads
+        self._stopping = False  # set by signal handlers: no locks there (wakeup.py)
+        self._wakeup = Wakeup()
 
     def request_stop(self, *_: object) -> None:
-        self._stop.set()
+        """Stop watching; safe in a signal handler and from any thread."""
+        self._stopping = True
+        self._wakeup.wake()
 
     def run(self) -> int:
         previous = {}
@@ -115,12 +120,13 @@ class Watcher:
                 )
                 thread.start()
                 threads.append(thread)
-            while not self._stop.wait(3600):
-                pass
+            while not self._stopping:
+                self._wakeup.sleep(3600)
         finally:
             self._stop.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._wakeup.close()
         for thread in threads:
             thread.join(timeout=1.0)  # a probe in flight is abandoned at exit
         for monitor in self.monitors.values():

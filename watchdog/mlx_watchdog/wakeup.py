@@ -1,0 +1,46 @@
+"""A sleep that a signal handler can cut short.
+
+A signal handler runs on the main thread between two bytecodes, possibly
+while that thread holds a lock; calling threading.Event.set() from it can
+then deadlock on the Event's own lock. So the daemons' handlers only set a
+flag and write one byte to a pipe, which wakes `sleep` (select on the pipe).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+
+class Wakeup:
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep up to seconds; return early after wake()."""
+        try:
+            ready, _, _ = select.select([self._read], [], [], max(0.0, seconds))
+            if ready:
+                while os.read(self._read, 512):
+                    pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        except (OSError, ValueError):  # closed
+            pass
+
+    def wake(self) -> None:
+        """Safe in a signal handler and from any thread."""
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # pipe full (a wake-up is pending anyway) or closed
+            pass
+
+    def close(self) -> None:
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read = self._write = -1
