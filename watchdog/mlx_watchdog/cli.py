@@ -47,13 +47,16 @@ def exec_command(command: tuple) -> None:
         raise click.ClickException(f"cannot run {command[0]!r}: {exc.strerror}") from exc
 
 
-def _attach_optional_commands() -> None:
-    # Each module registers its commands on `main` when imported.
-    from . import daemon_cli  # noqa: F401  (probe, supervise, watch, status)
-    from . import install_cli  # noqa: F401  (install, uninstall)
+def _attach_commands() -> None:
+    from .daemon_cli import probe_command, status_command, supervise_command, watch_command
+    from .install_cli import install_command, uninstall_command
+
+    for command in (probe_command, supervise_command, watch_command, status_command,
+                    install_command, uninstall_command):
+        main.add_command(command)
 
 
-_attach_optional_commands()
+_attach_commands()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -318,22 +318,3 @@ def _metrics(port: Optional[int], host: Optional[str]) -> Metrics:
                 f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
             ) from None
     return metrics
-
-
-def _register() -> None:
-    from . import cli
-
-    groups = [cli.main]
-    # `python -m mlx_watchdog.cli` runs cli.py as __main__, a second module
-    # whose `main` is not mlx_watchdog.cli.main: register there too.
-    entry = sys.modules.get("__main__")
-    spec = getattr(entry, "__spec__", None)
-    if spec is not None and spec.name == cli.__name__:
-        groups.append(getattr(entry, "main", None))
-    for group in groups:
-        if isinstance(group, click.Group):
-            for command in (probe_command, supervise_command, watch_command, status_command):
-                group.add_command(command)
-
-
-_register()

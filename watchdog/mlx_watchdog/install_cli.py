@@ -746,23 +746,5 @@ def _reference_main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if problems else 0
 
 
-def _register() -> None:
-    from . import cli
-
-    groups = [cli.main]
-    # `python -m mlx_watchdog.cli` runs cli.py as __main__, a second module
-    # whose `main` is not mlx_watchdog.cli.main: register there too.
-    entry = sys.modules.get("__main__")
-    spec = getattr(entry, "__spec__", None)
-    if spec is not None and spec.name == cli.__name__:
-        groups.append(getattr(entry, "main", None))
-    for group in groups:
-        if isinstance(group, click.Group):
-            group.add_command(install_command)
-            group.add_command(uninstall_command)
-
-
 if __name__ == "__main__":
     sys.exit(_reference_main())
-else:
-    _register()
