@@ -103,8 +103,10 @@ def test_launchd_default_uid_and_system_domain():
 
 
 def test_systemd_argv():
-    assert SystemdRestart("mlx.service").argv == ["systemctl", "--user", "restart", "mlx.service"]
-    assert SystemdRestart("mlx.service", user=False).argv == ["systemctl", "restart", "mlx.service"]
+    assert SystemdRestart("mlx.service").argv == ["systemctl", "--user", "--no-block",
+                                                     "restart", "mlx.service"]
+    assert SystemdRestart("mlx.service", user=False).argv == ["systemctl", "--no-block", "restart",
+                                                                 "mlx.service"]
 
 
 def test_command_argv_is_passed_untouched():

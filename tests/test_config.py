@@ -88,7 +88,7 @@ def test_a_good_config(tmp_path):
     assert build_action(gemma.restart).argv == [
         "launchctl", "kickstart", "-k", "gui/501/io.example.gemma"
     ]
-    assert build_action(qwen.restart).argv == ["systemctl", "restart", "qwen.service"]
+    assert build_action(qwen.restart).argv == ["systemctl", "--no-block", "restart", "qwen.service"]
     assert build_action(by_name["phi"].restart).argv == ["/usr/local/bin/restart-phi", "--hard"]
     assert build_action(by_name["llama"].restart).grace_s == 3
     assert build_action(by_name["watched-only"].restart) is None

@@ -96,12 +96,17 @@ class LaunchdRestart(CommandRestart):
 
 
 class SystemdRestart(CommandRestart):
-    """`systemctl [--user] restart <unit>`."""
+    """`systemctl [--user] --no-block restart <unit>`.
+
+    --no-block: a Type=notify unit's restart job lasts until READY=1, that is
+    the whole model load; the watchdog queues the job and watches the boot
+    through its own boot grace instead of blocking on systemctl.
+    """
 
     def __init__(self, unit: str, user: bool = True, **kwargs):
         self.unit, self.user = unit, user
         scope = ["--user"] if user else []
-        super().__init__(["systemctl", *scope, "restart", unit], **kwargs)
+        super().__init__(["systemctl", *scope, "--no-block", "restart", unit], **kwargs)
 
 
 class SignalRestart:
