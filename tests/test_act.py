@@ -59,6 +59,10 @@ class FakeProc:
         self.signals.append("KILL")
         self.alive = False
 
+    def resume(self):  # SIGCONT: nothing to do for a process that is not stopped
+        if not self.alive:
+            raise psutil.NoSuchProcess(self.pid)
+
     def cpu_times(self):
         if not self.alive:
             raise psutil.NoSuchProcess(self.pid)

@@ -45,18 +45,51 @@ def test_missing_file_or_a_directory(tmp_path):
 
 def test_tracker_age_and_progress(tmp_path):
     path = tmp_path / "hb"
-    now = [1000.0]
-    tracker = HeartbeatTracker(path, clock=lambda: now[0])
+    now = [995.0]
+    tracker = HeartbeatTracker(path, clock=lambda: now[0], monotonic=lambda: now[0])
     assert tracker.sample() is None
     write(path, {"pid": 1, "beats": 5, "time": 998.0, "phase": "loading"})
+    now[0] = 1000.0
     first = tracker.sample()
     assert first.age_s == 2.0 and not first.advanced and first.phase == "loading"
-    write(path, {"pid": 1, "beats": 9, "time": 999.5, "phase": "serving"})
+    write(path, {"pid": 1, "beats": 9, "time": 1004.5, "phase": "serving"})
+    now[0] = 1005.0
     second = tracker.sample()
     assert second.advanced and second.age_s == 0.5
-    now[0] = 1030.0  # no new writes: the loop hung
+    now[0] = 1035.0  # no new writes: the loop hung
     third = tracker.sample()
     assert not third.advanced and third.age_s == 30.5
+
+
+def test_a_hang_just_after_a_read_is_as_old_as_its_timestamp(tmp_path):
+    # Reads every 15 s (a 10 s probe timeout plus the 5 s interval); the loop
+    # beat last just after one read, then hung: the next read sees the beats
+    # advanced, yet the heartbeat is 10.1 s old, not fresh.
+    path = tmp_path / "hb"
+    now = [100.0]
+    tracker = HeartbeatTracker(path, clock=lambda: now[0], monotonic=lambda: now[0])
+    write(path, {"pid": 1, "beats": 50, "time": 99.5, "phase": "serving"})
+    tracker.sample()
+    write(path, {"pid": 1, "beats": 54, "time": 104.9, "phase": "serving"})
+    now[0] = 115.0
+    reading = tracker.sample()
+    assert reading.advanced and reading.age_s == pytest.approx(10.1)
+
+
+def test_a_wall_clock_jump_moves_the_age_by_at_most_the_time_between_reads(tmp_path):
+    path = tmp_path / "hb"
+    wall, mono = [1000.0], [50.0]
+    tracker = HeartbeatTracker(path, clock=lambda: wall[0], monotonic=lambda: mono[0])
+    write(path, {"pid": 1, "beats": 1, "time": 999.8, "phase": "serving"})
+    tracker.sample()
+    # The loop beats on; the wall clock jumps 60 s ahead between two reads.
+    write(path, {"pid": 1, "beats": 7, "time": 1004.0, "phase": "serving"})
+    wall[0], mono[0] = 1065.0, 55.0
+    assert tracker.sample().age_s == 5.0  # written since the read 5 s ago
+    # The wall clock jumps back an hour while the loop is hung: the beat has
+    # been seen unchanged for 30 s, so it is at least that old.
+    wall[0], mono[0] = 900.0, 85.0
+    assert tracker.sample().age_s == 30.0
 
 
 def test_tracker_new_pid_is_progress_and_reset_forgets(tmp_path):

@@ -169,11 +169,48 @@ def test_cpu_threshold_is_a_fraction_of_one_core():
 # -- the heartbeat is authoritative -------------------------------------------
 
 
+def test_stale_heartbeat_is_wedged_at_the_first_failed_probe():
+    # The heartbeat already holds heartbeat_timeout seconds of evidence:
+    # one failed probe is enough, whatever `failures` says.
+    [verdict] = run([TIMEOUT], cpu=CPU_IDLE, heartbeat=beat(11, False))
+    assert verdict.state == WEDGED and verdict.restart
+    assert verdict.cause == HEARTBEAT_STALE
+    assert "heartbeat stale for 11s (limit 10s)" in verdict.reason
+
+
 def test_stale_heartbeat_is_wedged_even_with_busy_cpu():
     # A loop spinning without iterating: CPU busy, beats stopped.
-    verdicts = run([TIMEOUT] * 3, cpu=CPU_BUSY, heartbeat=beat(40, False))
-    assert states(verdicts) == [FAILING, FAILING, WEDGED]
-    assert verdicts[-1].cause == HEARTBEAT_STALE
+    [verdict] = run([TIMEOUT], cpu=CPU_BUSY, heartbeat=beat(40, False))
+    assert verdict.state == WEDGED and verdict.restart
+    assert verdict.cause == HEARTBEAT_STALE
+
+
+def test_stale_heartbeat_counts_only_with_a_failed_probe():
+    verdicts = run([GOOD] * 5, cpu=CPU_IDLE, heartbeat=beat(999, False))
+    assert set(states(verdicts)) == {HEALTHY}
+
+
+def test_stale_heartbeat_during_boot_grace_is_starting():
+    verdicts = run([TIMEOUT] * 5, heartbeat=beat(999, False), booting=True)
+    assert set(states(verdicts)) == {STARTING} and not any(restarts(verdicts))
+
+
+def test_default_heartbeat_timeout_is_10s():
+    assert JudgeConfig().heartbeat_timeout_s == 10.0
+    judge = Judge(JudgeConfig())
+    assert judge.observe(Evidence(TIMEOUT, now=0, heartbeat=beat(10.0, False))).state == BUSY
+    assert judge.observe(Evidence(TIMEOUT, now=5, heartbeat=beat(10.5, False))).restart
+
+
+def test_failures_still_govern_the_paths_without_a_heartbeat():
+    config = JudgeConfig(failures=4)
+    assert restarts(run([TIMEOUT] * 4, cpu=CPU_IDLE, config=config)) == [False] * 3 + [True]
+    assert restarts(run([DEAD_404] * 4, heartbeat=beat(50, False), config=config)) == (
+        [False] * 3 + [True]
+    )
+    assert restarts(run([REFUSED] * 4, heartbeat=beat(50, False), config=config)) == (
+        [False] * 3 + [True]
+    )
 
 
 def test_advancing_heartbeat_is_busy_even_with_idle_cpu():
@@ -186,9 +223,12 @@ def test_a_fresh_heartbeat_counts_even_if_not_yet_advanced():
     assert set(states(verdicts)) == {BUSY}
 
 
-def test_an_old_heartbeat_that_just_advanced_is_progress():
-    verdicts = run([TIMEOUT] * 5, heartbeat=beat(60, True))
-    assert set(states(verdicts)) == {BUSY}
+def test_the_age_decides_not_whether_the_beats_moved():
+    # The loop beat just after the previous read, then hung: the beats
+    # moved, but the last one is older than the limit (the tracker keeps the
+    # age within what it saw between reads, so a clock jump cannot do this).
+    [verdict] = run([TIMEOUT], heartbeat=beat(12, True))
+    assert verdict.state == WEDGED and verdict.cause == HEARTBEAT_STALE
 
 
 def test_loading_phase_is_busy_up_to_max_busy():
@@ -202,6 +242,7 @@ def test_loading_phase_is_busy_up_to_max_busy():
 def test_heartbeat_timeout_is_configurable():
     config = JudgeConfig(failures=1, heartbeat_timeout_s=100)
     assert run([TIMEOUT], heartbeat=beat(40, False), config=config)[0].state == BUSY
+    assert run([TIMEOUT], heartbeat=beat(101, False), config=config)[0].state == WEDGED
 
 
 # -- definite signals ---------------------------------------------------------

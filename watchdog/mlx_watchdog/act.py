@@ -140,6 +140,7 @@ class SignalRestart:
             proc = self.locator.find()
             pid = proc.pid
             proc.terminate()
+            _continue(proc)
             if not table.wait_gone([proc], self.grace_s):
                 return ActionResult(True, f"sent SIGTERM to pid {pid}; it exited")
             proc.kill()
@@ -154,6 +155,14 @@ class SignalRestart:
             return ActionResult(False, f"not allowed to signal {self.locator}")
         except (psutil.Error, OSError) as exc:
             return ActionResult(False, f"cannot signal {self.locator}: {exc}")
+
+
+def _continue(proc) -> None:
+    """SIGCONT: a stopped process acts on SIGTERM only once continued."""
+    try:
+        proc.resume()
+    except psutil.NoSuchProcess:
+        pass  # it is gone already, as wanted
 
 
 @dataclass(frozen=True)

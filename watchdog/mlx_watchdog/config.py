@@ -19,7 +19,10 @@ heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window, and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
 replaced; prefer pidfile or process_match. A signal restart's target doubles
-as the CPU evidence when none is given.
+as the CPU evidence when none is given. With a heartbeat_file, one failed
+probe restarts a server whose heartbeat is older than heartbeat_timeout
+(default 10 s); raise it for huge models whose single prefill step takes
+longer.
 
 The restart table (required) is one of:
     { type = "launchd", label = "...", uid = 501, domain = "gui/501" }   # uid, domain optional

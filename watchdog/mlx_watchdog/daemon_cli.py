@@ -130,7 +130,8 @@ def probe_command(
 @_number_option(
     "--failures",
     defaults.FAILURES,
-    "Consecutive failed probes without progress before a restart.",
+    "Consecutive failed probes without progress before a restart (with the shim, one "
+    "is enough once its heartbeat is stale; see --heartbeat-timeout).",
     kind=click.IntRange(min=1),
 )
 @_number_option(
@@ -150,7 +151,9 @@ def probe_command(
 @_number_option(
     "--heartbeat-timeout",
     defaults.HEARTBEAT_TIMEOUT_S,
-    "Seconds after which the shim's heartbeat counts as stale (the generation loop hung).",
+    "Seconds without a beat from the shim's generation loop after which it counts as "
+    "hung: then one failed probe is enough for a restart. Raise it for huge models whose "
+    "single prefill step (or on-request model load) takes longer.",
 )
 @_number_option(
     "--stop-grace",
@@ -230,6 +233,7 @@ def supervise_command(
             url=url,
             env=env,
             heartbeat_file=Path(private) / "heartbeat.json",
+            shim=not no_shim,
             judge_config=JudgeConfig(
                 failures=failures, max_busy_s=max_busy, heartbeat_timeout_s=heartbeat_timeout
             ),

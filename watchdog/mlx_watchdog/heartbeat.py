@@ -35,7 +35,7 @@ class Heartbeat:
 class HeartbeatReading:
     """What the judge gets: how old the heartbeat is and whether it moved."""
 
-    age_s: float
+    age_s: float  # seconds since the last beat (see HeartbeatTracker)
     advanced: bool  # beats (or pid) changed since the previous reading
     phase: str
     beats: int
@@ -64,28 +64,47 @@ def _is_int(value: object) -> bool:
 
 
 class HeartbeatTracker:
-    """Reads the heartbeat each tick and remembers the last one to spot progress."""
+    """Reads the heartbeat each tick and remembers the last one to spot progress.
+
+    The age is the file's own timestamp (`clock() - time`), kept within what
+    the tracker saw itself on its monotonic clock: a beat it has seen unchanged
+    since time S is at least `now - S` old, and a beat that was not there at
+    the read before (time B) is at most `now - B` old. So a hang is seen as
+    soon as the timestamp says so, even when the last beats came in just after
+    the previous read, and a wall clock that jumps moves the age by at most
+    the time between two reads.
+    """
 
     def __init__(
         self,
         path: "str | os.PathLike[str]",
         *,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         read: Callable[..., Optional[Heartbeat]] = read_heartbeat,
     ):
         self.path = path
         self._clock = clock
+        self._monotonic = monotonic
         self._read = read
-        self._last: Optional[Heartbeat] = None
+        self.reset()
 
     def sample(self) -> Optional[HeartbeatReading]:
         beat = self._read(self.path)
+        now = self._monotonic()
+        last, read_before = self._last, self._read_at
+        self._read_at = now
         if beat is None:
             return None
-        last, self._last = self._last, beat
+        self._last = beat
         advanced = last is not None and (beat.pid, beat.beats) != (last.pid, last.beats)
+        if last is None or advanced:
+            self._first_seen, self._absent_at = now, read_before
+        age = max(0.0, self._clock() - beat.time, now - self._first_seen)
+        if self._absent_at is not None:
+            age = min(age, now - self._absent_at)
         return HeartbeatReading(
-            age_s=max(0.0, self._clock() - beat.time),
+            age_s=age,
             advanced=advanced,
             phase=beat.phase,
             beats=beat.beats,
@@ -94,4 +113,7 @@ class HeartbeatTracker:
 
     def reset(self) -> None:
         """Forget the previous reading (the server was restarted)."""
-        self._last = None
+        self._last: Optional[Heartbeat] = None
+        self._read_at: Optional[float] = None  # monotonic time of the previous read
+        self._first_seen = 0.0  # when the current beat was first read
+        self._absent_at: Optional[float] = None  # the read before that, when it was not there

@@ -17,11 +17,19 @@ state, a short reason, and whether to restart. The rule:
    `--decode-concurrency 1` with long requests queued) queues the probe behind
    them and must not be restarted. So the judge looks for progress:
    a. Shim heartbeat, authoritative when present. Phase "serving" and
-      advancing (or younger than `heartbeat_timeout`): **busy**, never
-      restarted. Stale (older, not advancing): **wedged** after `failures`
-      consecutive failed probes, even if the CPU is busy (a loop spinning
-      without iterating). Phase "loading": **busy** loading a model, with
-      the limit of (c).
+      younger than `heartbeat_timeout`: **busy**, never restarted. Stale
+      (no beat for longer than `heartbeat_timeout`): **wedged** at the
+      first failed probe, even if the CPU is busy (a loop spinning without
+      iterating). One probe is enough because the heartbeat already sums up
+      `heartbeat_timeout` seconds of evidence: the loop beats about ten
+      times a second when idle and once per decode step when busy, so a
+      saturated server keeps beating. Its limit is the longest single step:
+      with huge models (a long prompt's prefill step, or loading another
+      model a client asked for, taking longer than `heartbeat_timeout`),
+      raise `heartbeat_timeout`. Phase "loading": **busy** loading a model,
+      with the limit of (c). The age is the heartbeat's own timestamp, kept
+      within what the watchdog saw between its reads (heartbeat.py): a jump
+      of the wall clock shifts it by at most the time between two reads.
    b. No heartbeat, process CPU known (the process and its children): at
       least `cpu_busy_fraction` of one core over the interval is progress:
       **busy**. Below that for `failures` consecutive failed probes: **wedged**.
@@ -132,16 +140,18 @@ class Judge:
             self._stalled = 0
             return self._busy(evidence, f"{probe.reason}; loading a model")
         if beat is not None:
-            if beat.advanced or beat.age_s <= self.config.heartbeat_timeout_s:
+            limit = self.config.heartbeat_timeout_s
+            if beat.age_s <= limit:
                 # The shim's heartbeat is authoritative: the loop is iterating.
                 self._stalled = 0
                 return Verdict(BUSY, f"{probe.reason}; generation loop alive (heartbeat)")
+            # No beat for longer than the limit: the loop has not iterated in
+            # all that time. That is the evidence `failures` gathers elsewhere.
             self._stalled += 1
-            return self._count(
-                FAILING,
+            return Verdict(
                 WEDGED,
-                self._stalled,
-                f"{probe.reason}; heartbeat stale for {beat.age_s:.0f}s",
+                f"{probe.reason}; heartbeat stale for {beat.age_s:.0f}s (limit {limit:g}s)",
+                True,
                 HEARTBEAT_STALE,
             )
         if evidence.cpu_s is not None and evidence.wall_s:

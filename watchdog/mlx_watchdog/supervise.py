@@ -2,10 +2,11 @@
 
 The child runs in its own process group, with the hotfix shim on PYTHONPATH
 and MLX_HOTFIX_HEARTBEAT_FILE pointing into a private directory. Each tick
-the supervisor restarts the child if it exited (whatever the exit code) and
-otherwise lets its Monitor probe, judge and, when wedged, restart it (SIGTERM
-to the group, SIGKILL after a grace). Backoff and crash-loop limits apply to
-both. SIGTERM or SIGINT is passed on to the child, then the supervisor exits 0.
+the supervisor restarts the child if it exited (whatever the exit code;
+SIGCHLD wakes the loop at once) and otherwise lets its Monitor probe, judge
+and, when wedged, restart it (SIGTERM and SIGCONT to the group, SIGKILL after
+a grace). Backoff and crash-loop limits apply to both. SIGTERM or SIGINT is
+passed on to the child, then the supervisor exits 0.
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def url_from_command(command: Sequence[str]) -> str:
     return f"http://{host}:{int(port)}"
 
 
-def describe_exit(code: Optional[int]) -> str:
+def describe_exit(code: Optional[int], shim: bool = True) -> str:
     if code is None:
         return "did not exit"
-    if code == defaults.SHIM_EXIT_CODE:
+    if code == defaults.SHIM_EXIT_CODE and shim:
         return f"exited with code {code} (the hotfix shim saw the generation thread die)"
     if code < 0:
         try:
@@ -95,8 +96,13 @@ class Child:
             self.signal_group(signal.SIGKILL)  # anything left in the group
 
     def signal_group(self, sig: int) -> None:
+        """Send sig to the group. A stopped process (SIGSTOP, SIGTSTP) acts on a
+        signal only once continued, so SIGCONT follows, as systemd does.
+        Safe in a signal handler: two system calls."""
         try:
             os.killpg(self.pid, sig)
+            if sig not in (signal.SIGKILL, signal.SIGCONT):
+                os.killpg(self.pid, signal.SIGCONT)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -138,6 +144,7 @@ class Supervisor:
         url: str = "",
         env: Optional[Mapping[str, str]] = None,
         heartbeat_file: "Optional[str | os.PathLike[str]]" = None,
+        shim: bool = True,  # the child runs with the hotfix shim (for messages)
         judge_config: JudgeConfig = JudgeConfig(),
         policy: Optional[RestartPolicy] = None,
         interval_s: float = defaults.PROBE_INTERVAL_S,
@@ -154,6 +161,7 @@ class Supervisor:
         self.command = list(command)
         self.env = dict(os.environ if env is None else env)
         self.heartbeat_file = heartbeat_file
+        self.shim = shim
         if heartbeat_file is not None:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
         self.interval_s = interval_s
@@ -198,7 +206,7 @@ class Supervisor:
         if self.child is not None:
             code = self.child.poll()
             if code is not None:
-                self._exit = describe_exit(code)
+                self._exit = describe_exit(code, self.shim)
                 self.events.warning("exited", f"server {self._exit}", returncode=code)
                 self.child = None
         if self.child is None:
@@ -216,7 +224,7 @@ class Supervisor:
         if self.child is not None:
             pid, code = self.child.pid, self.child.stop(self.stop_grace_s)
             self.child = None
-            self.events.info("stopped", f"pid {pid} {describe_exit(code)}")
+            self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
         return self._spawn_child()
 
     def _spawn_child(self) -> ActionResult:
@@ -257,6 +265,11 @@ class Supervisor:
         if threading.current_thread() is threading.main_thread():
             for sig in handled:
                 previous[sig] = signal.signal(sig, lambda signum, _: self.request_stop(signum))
+            # A child that exits (or stops) wakes the loop at once: it is
+            # respawned now, not at the next probe, up to an interval later.
+            previous[signal.SIGCHLD] = signal.signal(
+                signal.SIGCHLD, lambda signum, _: self._wakeup.wake()
+            )
         try:
             self.start()
             while not self._stopping:
@@ -283,4 +296,4 @@ class Supervisor:
         already = self._signalled == pid
         code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
         self.child = None
-        self.events.info("stopped", f"pid {pid} {describe_exit(code)}")
+        self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")

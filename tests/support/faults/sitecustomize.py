@@ -14,10 +14,15 @@ reported upstream, with their real messages).
 
 Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
 set, so a test can warm the server up first.
+
+When a fault strikes it writes one line to stderr, just before it acts:
+``mlx-test-fault: <action> at <where> t=<time.time()>`` (the wall-clock time,
+for benchmarks that measure from the moment of death).
 """
 
 import os
 import sys
+import time
 
 _SPEC = os.environ.get("MLX_TEST_FAULT", "")
 
@@ -70,7 +75,7 @@ def _inject(module, action, kind, where, after):
         if _armed():
             calls[0] += 1
             if calls[0] > after:
-                sys.stderr.write("mlx-test-fault: %s at %s\n" % (action, where))
+                sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
                 sys.stderr.flush()
                 if action == "raise":
                     error, message = _MESSAGES[kind]
