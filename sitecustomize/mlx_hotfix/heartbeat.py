@@ -11,6 +11,11 @@ once per MLX_HOTFIX_HEARTBEAT_INTERVAL it also:
 
 When the loop hangs, both stop: that is the signal. systemd also gets
 READY=1 once the model is loaded and the loop runs.
+
+A model load inside the loop (a client asking for another model) is one long
+call with no iterations: ``model_load()`` marks it, and while it lasts a
+keeper thread writes phase "loading" and keeps systemd fed, so a watchdog
+applies its load limit instead of calling the loop stuck.
 """
 
 import json
@@ -26,6 +31,7 @@ _stopped = False
 _beats = 0
 _next_write = 0.0
 _notifier = None
+_write_lock = threading.Lock()  # the loop and the load keeper share the temp file
 
 
 def _systemd():
@@ -46,12 +52,13 @@ def _write(phase):
         return
     record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
     temporary = "%s.%d.tmp" % (path, os.getpid())
-    try:
-        with open(temporary, "w") as handle:
-            handle.write(json.dumps(record) + "\n")
-        os.replace(temporary, path)
-    except OSError:
-        pass  # a full disk must not kill the loop
+    with _write_lock:
+        try:
+            with open(temporary, "w") as handle:
+                handle.write(json.dumps(record) + "\n")
+            os.replace(temporary, path)
+        except OSError:
+            pass  # a full disk must not kill the loop
 
 
 def generation_thread_started(generator):
@@ -68,6 +75,37 @@ def generation_thread_started(generator):
 
 def loop_running():
     return _loop_running
+
+
+class model_load:
+    """Context manager around ModelProvider.load on the generation thread."""
+
+    def __enter__(self):
+        self._active = (
+            _generation_ident is not None and threading.get_ident() == _generation_ident
+            and not _stopped
+        )
+        if self._active:
+            self._done = threading.Event()
+            _write("loading")
+            keeper = threading.Thread(target=self._keep, name="mlx-hotfix-load", daemon=True)
+            keeper.start()
+        return self
+
+    def _keep(self):
+        interval = config.current().heartbeat_interval
+        while not self._done.wait(interval) and not _stopped:
+            _write("loading")
+            notifier = _systemd()
+            if notifier is not None:
+                notifier.watchdog_ping()
+
+    def __exit__(self, *exc_info):
+        if self._active:
+            self._done.set()
+            if _loop_running and not _stopped:
+                _write("serving")
+        return False
 
 
 def loop_iteration():

@@ -226,6 +226,14 @@ def _wrap_budget_next(original):
     return _wrap(original, __next__)
 
 
+def _wrap_model_load(original):
+    def load(self, *args, **kwargs):
+        with heartbeat.model_load():
+            return original(self, *args, **kwargs)
+
+    return _wrap(original, load)
+
+
 def _wrap_end_headers(original):
     def end_headers(self):
         self.__dict__["_mlx_hotfix_headers_sent"] = True
@@ -330,6 +338,7 @@ def apply(server):
     generator = server.ResponseGenerator
     handler = server.APIHandler
     budget = getattr(server, "TimeBudget", None)
+    provider = getattr(server, "ModelProvider", None)
     replacements = [
         (server, "Queue", _make_watched_queue(server.Queue)),
         (generator, "_generate", _wrap_generate_loop(generator._generate)),
@@ -341,6 +350,8 @@ def apply(server):
     ]
     if budget is not None:
         replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
+    if provider is not None and callable(getattr(provider, "load", None)):
+        replacements.append((provider, "load", _wrap_model_load(provider.load)))
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)
