@@ -19,7 +19,9 @@ Two ways to watch it, each over several hangs:
           timeout; 3 failures in a row: SIGTERM the server's group (SIGKILL
           after 30 s) and start it again.
 
-Each hang starts at a random moment of the watcher's probe cycle. Hang
+Each hang starts at a random moment of the watcher's probe cycle. Ours
+gets a fresh supervisor every 5 hangs: by default more than 5 restarts in
+300 s is a crash loop and restarts pause, which is a different figure. Hang
 moment: the `t=` the injector writes just before it blocks. Serving again:
 the first one-token completion answered 200 by the bench's own poller
 (every 0.1 s, 3 s timeout per try). Detection: the watcher's restart
@@ -180,17 +182,31 @@ def start_supervise(work: Path, name: str, port: int, model: Path, extra_env: di
 
 
 def ours_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
+    """`hangs` hangs, a fresh supervisor for every MAX_RESTARTS of them: more
+    restarts than that in RESTART_WINDOW_S is, by default, a crash loop (and
+    restarts pause), which is not what this figure measures."""
+    records: List[dict] = []
+    batches = 0
+    while len(records) < hangs:
+        batches += 1
+        count = min(defaults.MAX_RESTARTS, hangs - len(records))
+        records += ours_batch(fig, model, work, count, batches, first=len(records))
+    return {"hangs": records, "supervisors": batches}
+
+
+def ours_batch(fig: Figure, model: Path, work: Path, hangs: int, batch: int,
+               first: int) -> List[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     arm = work / "arm-ours"
-    sup = start_supervise(work, "ours", port, model, fault_env(arm))
+    sup = start_supervise(work, f"ours-{batch}", port, model, fault_env(arm))
     seen: set = set()
     records = []
     try:
         if wait_serving(url, time.time() + LOAD_S) is None:
             raise RuntimeError(f"the supervised server never served:\n{sup.out.text()[-3000:]}")
         start = 0
-        for i in range(hangs):
+        for i in range(first, first + hangs):
             healthy = wait_event(sup.out, lambda e: e.get("state") == "healthy", start, 120)
             if healthy is None:
                 raise RuntimeError(f"not healthy again:\n{sup.out.text()[-3000:]}")
@@ -206,6 +222,7 @@ def ours_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
             restart = wait_event(sup.out, lambda e: e.get("event") == "restart", start, 30)
             record = {
                 "hang_at": hang_at,
+                "supervisor": batch,
                 "hang_to_restart_s": (restart[1] - hang_at) if restart else None,
                 "cause": restart[2].get("cause") if restart else None,
                 "reason": restart[2].get("message") if restart else None,
@@ -219,7 +236,7 @@ def ours_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
         track_children(sup, seen)
     finally:
         sup.stop()
-    return {"hangs": records}
+    return records
 
 
 # -- naive: a Kubernetes-style fixed-threshold prober --------------------------------------------
@@ -335,14 +352,17 @@ def naive_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
 # -- saturating load: false restarts -------------------------------------------------------------
 
 
-def decode_rate(url: str) -> float:
+LONG_TOKENS = 1500  # per queued request; the decode rate is measured at this length
+
+
+def decode_rate(url: str, tokens: int = LONG_TOKENS) -> float:
     started = time.time()
-    response = post_chat(url, "measure", max_tokens=500, timeout=120)
+    response = post_chat(url, "measure", max_tokens=tokens, timeout=300)
     response.raise_for_status()
-    return 500 / (time.time() - started)
+    return tokens / (time.time() - started)
 
 
-def saturation(fig: Figure, model: Path, work: Path, seconds: float, requests_n: int) -> dict:
+def saturation(fig: Figure, model: Path, work: Path, seconds: float) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     sup = start_supervise(work, "saturated", port, model, {}, SATURATE)
@@ -354,7 +374,8 @@ def saturation(fig: Figure, model: Path, work: Path, seconds: float, requests_n:
             raise RuntimeError(f"never healthy:\n{sup.out.text()[-3000:]}")
         track_children(sup, seen)
         rate = decode_rate(url)
-        max_tokens = int(min(max(rate * seconds / requests_n, 500), 8000))
+        max_tokens = LONG_TOKENS
+        requests_n = max(3, round(seconds * rate / max_tokens))
         start_line = len(sup.out.lines)
         naive = NaiveProber(url).start()  # watches the same server, counts only
         began = time.time()
@@ -420,7 +441,7 @@ def main() -> int:
             f"{NAIVE_FAILURES} failures; {hangs} hangs")
     naive = naive_hangs(fig, model, work, hangs)
     fig.log(f"saturating load: ~{saturate_s:g} s of queued decodes")
-    sat = saturation(fig, model, work, saturate_s, 4 if fig.quick else 6)
+    sat = saturation(fig, model, work, saturate_s)
 
     def col(run, key):
         return stats([r.get(key) for r in run["hangs"] if r.get(key) is not None])
@@ -474,11 +495,14 @@ def main() -> int:
         "answered 200, polled every 0.1 s. Ours: `mlx-watchdog supervise` with default "
         f"settings (probe every {defaults.PROBE_INTERVAL_S:g} s, {defaults.PROBE_TIMEOUT_S:g} s "
         f"timeout, heartbeat timeout {defaults.HEARTBEAT_TIMEOUT_S:g} s: one failed probe once "
-        "the shim's heartbeat is that old). Naive: the Kubernetes liveness-probe defaults "
+        "the shim's heartbeat is that old), a fresh supervisor every "
+        f"{defaults.MAX_RESTARTS} hangs (by default more restarts than that in "
+        f"{defaults.RESTART_WINDOW_S:g} s is a crash loop: restarts pause). "
+        "Naive: the Kubernetes liveness-probe defaults "
         "(periodSeconds 10, timeoutSeconds 1, failureThreshold 3), the same one-token "
         "completion, then SIGTERM and a new server. Saturation: "
         f"`--decode-concurrency 1 --prompt-concurrency 1`, {sat['requests']} requests of "
-        f"{sat['max_tokens']} tokens queued at once (decode rate alone "
+        f"{sat['max_tokens']} tokens queued at once (one such request alone decodes at "
         f"{sat['decode_rate_tok_s']:.0f} tokens/s); tiny random llama, CPU.")
     fig.write({"ours": ours, "naive": naive, "saturation": sat, "goal_s": GOAL_S,
                "naive_settings": {"period_s": NAIVE_PERIOD_S, "timeout_s": NAIVE_TIMEOUT_S,
