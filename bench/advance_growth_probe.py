@@ -8,8 +8,8 @@ without it (stock); bench/memory_growth.py runs it once per variant:
 
 1. decode: greedy-decodes TOKENS tokens of one prompt through the real
    BatchGenerator (the server's engine), sampling every K tokens: tokens done,
-   seconds since the first token, RSS (/proc/self/statm) and
-   mx.get_active_memory(). Just before the sequence would finish, it finds
+   seconds since the first token, RSS (/proc/self/statm),
+   mx.get_active_memory() and mx.get_cache_memory(). Just before the sequence would finish, it finds
    every live ArraysCache and times reading and mx.eval-ing their stale
    ``lengths``/``left_padding`` (stock: one lazy Subtract per step behind
    each; patched: one node), then samples RSS again.
@@ -50,6 +50,14 @@ def active() -> int:
         return -1
 
 
+def cached() -> int:
+    """Freed MLX buffers MLX keeps for reuse (part of RSS, not of active())."""
+    try:
+        return int(mx.get_cache_memory())
+    except Exception:  # noqa: BLE001 - older mlx
+        return -1
+
+
 def variant() -> dict:
     field = vars(ArraysCache).get("left_padding")
     return {
@@ -86,10 +94,11 @@ def decode(model, prompt, tokens, sample_every):
                     done += 1
                     if t0 is None:  # prefill is over: time the decode only
                         t0 = time.perf_counter()
-                        samples.append({"tokens": done, "t": 0.0, "rss": rss(), "active": active()})
+                        samples.append({"tokens": done, "t": 0.0, "rss": rss(), "active": active(),
+                                        "cache": cached()})
                     elif done % sample_every == 0 or done == tokens:
                         samples.append({"tokens": done, "t": time.perf_counter() - t0,
-                                        "rss": rss(), "active": active()})
+                                        "rss": rss(), "active": active(), "cache": cached()})
         out["decoded"] = done
         out["decode_s"] = time.perf_counter() - t0 if t0 is not None else None
         # The sequence is still in the batch: its caches hold the stale fields.

@@ -15,7 +15,6 @@ shim - stock and off - stock. Goal: shim - stock <= 3 ms.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys

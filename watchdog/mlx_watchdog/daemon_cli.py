@@ -153,7 +153,7 @@ def probe_command(
     defaults.HEARTBEAT_TIMEOUT_S,
     "Seconds without a beat from the shim's generation loop after which it counts as "
     "hung: then one failed probe is enough for a restart. Raise it for huge models whose "
-    "single prefill step (or on-request model load) takes longer.",
+    "single prefill step takes longer.",
 )
 @_number_option(
     "--stop-grace",

@@ -23,7 +23,7 @@ FAILURES = 3  # consecutive failed probes (without progress) before acting
 BOOT_GRACE_S = 60.0  # after each (re)start, failures do not count
 # A heartbeat older than this is stale, and one failed probe then means wedged.
 # The loop beats ~10x/s idle and once per decode step busy: raise it for huge
-# models whose single prefill step (or on-request model load) takes longer.
+# models whose single prefill step takes longer (a model load reads as loading).
 HEARTBEAT_TIMEOUT_S = 10.0
 CPU_BUSY_FRACTION = 0.05  # 5% of one core over the interval counts as progress
 MAX_BUSY_S = 600.0  # busy without any successful probe for this long => wedged

@@ -14,8 +14,9 @@ state, a short reason, and whether to restart. The rule:
    dead and the process idles forever.
 5. Any other failed probe (timeout, error, garbage, no tokens) is not, on its
    own, proof of a wedge: a healthy server saturated by long generations (say
-   `--decode-concurrency 1` with long requests queued) queues the probe behind
-   them and must not be restarted. So the judge looks for progress:
+   `--decode-concurrency 1 --prompt-concurrency 1` with long requests queued)
+   queues the probe behind them and must not be restarted. So the judge looks
+   for progress:
    a. Shim heartbeat, authoritative when present. Phase "serving" and
       younger than `heartbeat_timeout`: **busy**, never restarted. Stale
       (no beat for longer than `heartbeat_timeout`): **wedged** at the
@@ -24,12 +25,13 @@ state, a short reason, and whether to restart. The rule:
       `heartbeat_timeout` seconds of evidence: the loop beats about ten
       times a second when idle and once per decode step when busy, so a
       saturated server keeps beating. Its limit is the longest single step:
-      with huge models (a long prompt's prefill step, or loading another
-      model a client asked for, taking longer than `heartbeat_timeout`),
-      raise `heartbeat_timeout`. Phase "loading": **busy** loading a model,
-      with the limit of (c). The age is the heartbeat's own timestamp, kept
-      within what the watchdog saw between its reads (heartbeat.py): a jump
-      of the wall clock shifts it by at most the time between two reads.
+      with a huge model whose single prefill step takes longer than
+      `heartbeat_timeout`, raise `heartbeat_timeout`. Phase "loading" (the
+      shim marks a model load so, at start and when a client asks for
+      another model): **busy**, with the limit of (c). The age is the
+      heartbeat's own timestamp, kept within what the watchdog saw between
+      its reads (heartbeat.py): a jump of the wall clock shifts it by at
+      most the time between two reads.
    b. No heartbeat, process CPU known (the process and its children): at
       least `cpu_busy_fraction` of one core over the interval is progress:
       **busy**. Below that for `failures` consecutive failed probes: **wedged**.

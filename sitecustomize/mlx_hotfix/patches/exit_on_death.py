@@ -52,6 +52,7 @@ class GenerationThreadDied(BaseException):
 
 
 _SENTINEL = object()
+_SETTLE_S = 0.05
 
 
 class Lifeline:
@@ -61,6 +62,7 @@ class Lifeline:
         self._lock = threading.Lock()
         self._queues = weakref.WeakSet()
         self._handlers = set()
+        self._entered = 0  # connections ever entered: a late arrival resets the quiet wait
         self._idle = threading.Condition(self._lock)
         self.dead = False
         self.cause = None
@@ -77,6 +79,7 @@ class Lifeline:
     def enter(self, handler):
         with self._lock:
             self._handlers.add(handler)
+            self._entered += 1
 
     def leave(self, handler):
         with self._lock:
@@ -120,11 +123,19 @@ class Lifeline:
             % (where, exc.__class__.__name__, _one_line(exc), settings.exit_code)
         )
         with self._lock:
-            while self._handlers:
+            while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._idle.wait(left)
+                if self._handlers:
+                    self._idle.wait(left)
+                    continue
+                # Quiet for a moment: a connection the server just accepted
+                # has not reached its handler yet.
+                entered = self._entered
+                self._idle.wait(min(_SETTLE_S, left))
+                if not self._handlers and self._entered == entered:
+                    break
             unanswered = len(self._handlers)
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
@@ -242,18 +253,28 @@ def _wrap_end_headers(original):
     return _wrap(original, end_headers)
 
 
+def _wrap_handle(original):
+    # The whole connection, from accept to close: a request still reading
+    # its body when the thread dies must be answered too.
+    def handle(self, *args, **kwargs):
+        lifeline.enter(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            lifeline.leave(self)
+
+    return _wrap(original, handle)
+
+
 def _wrap_handle_completion(original):
     def handle_completion(self, *args, **kwargs):
         self.__dict__["_mlx_hotfix_headers_sent"] = False
         if lifeline.dead:
             return answer_dead(self)
-        lifeline.enter(self)
         try:
             return original(self, *args, **kwargs)
         except GenerationThreadDied:
             answer_dead(self)
-        finally:
-            lifeline.leave(self)
 
     return _wrap(original, handle_completion)
 
@@ -311,7 +332,8 @@ def _send_json(handler, status, body):
 # -- gate and apply ----------------------------------------------------------
 
 _RESPONSE_GENERATOR_METHODS = ("_generate", "generate", "_next_request")
-_HANDLER_METHODS = ("handle_completion", "handle_health_check", "end_headers", "do_POST")
+_HANDLER_METHODS = ("handle", "handle_completion", "handle_health_check", "end_headers",
+                    "do_POST")
 
 
 def check_shape(server):
@@ -344,6 +366,7 @@ def apply(server):
         (generator, "_generate", _wrap_generate_loop(generator._generate)),
         (generator, "generate", _wrap_generate_request(generator.generate)),
         (generator, "_next_request", _wrap_next_request(generator._next_request)),
+        (handler, "handle", _wrap_handle(handler.handle)),
         (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
         (handler, "end_headers", _wrap_end_headers(handler.end_headers)),
