@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import requests
 
 from common import CLEANUP
-from tests.support.server import StockServer, sse_events
+from tests.support.server import BackgroundRequest, StockServer, sse_events
 
 
 class _Output:
@@ -196,36 +196,12 @@ COMPLETED, TOLD, ERROR = "completed", "told", "error"
 WAITING, RESET, TRUNCATED = "waiting", "reset", "truncated"
 
 
-class Client:
+class Client(BackgroundRequest):
     """One request on its own thread, timed with time.time()."""
 
     def __init__(self, name: str, send: Callable[[], requests.Response], stream: bool = False):
-        self.name = name
         self.stream = stream
-        self.response: Optional[requests.Response] = None
-        self.body: Optional[bytes] = None
-        self.error: Optional[BaseException] = None
-        self.sent_at = time.time()
-        self.finished_at: Optional[float] = None
-        self._thread = threading.Thread(target=self._run, args=(send,), daemon=True)
-        self._thread.start()
-
-    def _run(self, send) -> None:
-        try:
-            self.response = send()
-            self.body = self.response.content
-        except BaseException as exc:  # noqa: BLE001 - recorded
-            self.error = exc
-        finally:
-            self.finished_at = time.time()
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def status(self) -> Optional[int]:
-        return None if self.response is None else self.response.status_code
+        super().__init__(send, name=name, clock=time.time)
 
     def outcome(self) -> str:
         """completed (a full normal answer), told (503 JSON or a final SSE error

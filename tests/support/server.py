@@ -191,13 +191,19 @@ class StockServer:
 
 
 class BackgroundRequest:
-    """A request on its own thread; records the outcome and when it came."""
+    """A request on its own thread; records the outcome and when it came.
 
-    def __init__(self, send, *, name: str = "request"):
+    `clock` times it: monotonic for tests, wall-clock where the times are
+    compared with timestamps other processes wrote (bench/).
+    """
+
+    def __init__(self, send, *, name: str = "request", clock=time.monotonic):
         self.name = name
         self.response = None
         self.error: Optional[BaseException] = None
         self.body: Optional[bytes] = None
+        self._clock = clock
+        self.sent_at = clock()
         self.finished_at: Optional[float] = None
         self._thread = threading.Thread(target=self._run, args=(send,), daemon=True)
         self._thread.start()
@@ -209,7 +215,7 @@ class BackgroundRequest:
         except BaseException as exc:  # noqa: BLE001 - recorded for the test
             self.error = exc
         finally:
-            self.finished_at = time.monotonic()
+            self.finished_at = self._clock()
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
