@@ -254,25 +254,36 @@ def check_url(url: str) -> str:
     For the CLI and the config, up front: a typo (htp://, a port out of
     range) is a usage error, not a server that never answers.
     """
-    shown = redact_url(url) if isinstance(url, str) else repr(url)
-    expected = 'expected http(s)://HOST[:PORT], like "http://127.0.0.1:8080"'
-    if not isinstance(url, str) or not url or any(c.isspace() for c in url):
-        raise ValueError(f"invalid URL {shown!r}: {expected}")
+    problem = url_problem(url)
+    if problem:
+        shown = redact_url(url) if isinstance(url, str) else repr(url)
+        raise ValueError(
+            f"invalid URL {shown!r}: {problem}; expected http(s)://HOST[:PORT], "
+            'like "http://127.0.0.1:8080"'
+        )
+    return url.rstrip("/")
+
+
+def url_problem(url: object) -> Optional[str]:
+    """What is wrong with url as a server's base URL, or None."""
+    if not isinstance(url, str) or not url:
+        return "empty"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "whitespace or a control character in it"
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ValueError(f"invalid URL {shown!r}: {exc}") from None
+        return str(exc)
     if parts.scheme.lower() not in ("http", "https"):
-        scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
-        raise ValueError(f"invalid URL {shown!r}: {scheme}; {expected}")
+        return f"scheme {parts.scheme!r} is not http or https" if parts.scheme else "no scheme"
     if not parts.hostname:
-        raise ValueError(f"invalid URL {shown!r}: no host; {expected}")
+        return "no host"
     if port == 0:
-        raise ValueError(f"invalid URL {shown!r}: port must be 1-65535")
+        return "port 0"
     if parts.query or parts.fragment:
-        raise ValueError(f"invalid URL {shown!r}: no ?query or #fragment; {expected}")
-    return url.rstrip("/")
+        return "a ?query or #fragment"
+    return None
 
 
 @dataclass(frozen=True)
