@@ -117,14 +117,18 @@ def test_watch_obeys_sigterm_taken_by_another_thread():
             state = None
             events = None
             def started(self): pass
+            ticks = 0
             def tick(self):
-                if not getattr(self, "sent", False):
-                    self.sent = True
+                self.ticks += 1
+                if self.ticks == 10:  # the main thread is asleep in select by then
                     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
         sys.exit(Watcher({"a": Monitor()}, {"a": 0.05}).run())
     """)
-    proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
+    try:  # a hang guard: without the fix the main thread sleeps its hour
+        proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
+    except subprocess.TimeoutExpired:
+        pytest.fail("SIGTERM taken by a monitor thread did not stop watch")
     assert proc.returncode == 0, proc.stderr
 
 
