@@ -453,8 +453,8 @@ def test_cli_command_not_found(tmp_path):
 
     result = CliRunner().invoke(
         main,
-        ["supervise", "--no-shim", "--state-file", str(tmp_path / "s.json"), "--",
-         str(tmp_path / "no-such-server")],
+        ["supervise", "--no-shim", "--state-file", str(tmp_path / "s.json"),
+         "--url", "http://127.0.0.1:8080", "--", str(tmp_path / "no-such-server")],
     )
     assert result.exit_code == 1 and "cannot run" in result.output
 

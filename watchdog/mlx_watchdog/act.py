@@ -19,6 +19,7 @@ import psutil
 
 from . import defaults
 from .process import ProcessLocator, ProcessNotFound, ProcessTable
+from .redact import printable, scrub
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,9 @@ Runner = Callable[[List[str], float], "subprocess.CompletedProcess[str]"]
 
 def run_command(argv: List[str], timeout: float) -> "subprocess.CompletedProcess[str]":
     """The real runner: subprocess.run, output captured, no shell, no stdin."""
+    env = {k: v for k, v in os.environ.items() if k != defaults.API_KEY_ENV}
     return subprocess.run(
-        argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env
     )
 
 
@@ -58,24 +60,25 @@ class CommandRestart:
         return list(self._argv)
 
     def __str__(self) -> str:
-        return shlex.join(self.argv)
+        return scrub(shlex.join(self.argv))  # shown in logs and the state file
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.argv!r})"
+        return scrub(f"{type(self).__name__}({self.argv!r})")
 
     def restart(self, reason: str) -> ActionResult:
         argv, shown = self.argv, str(self)
         try:
             done = self._runner(argv, self.timeout)
         except FileNotFoundError:
-            return ActionResult(False, f"{argv[0]}: command not found")
+            return ActionResult(False, f"{scrub(argv[0])}: command not found")
         except subprocess.TimeoutExpired:
             return ActionResult(False, f"{shown}: timed out after {self.timeout:g}s")
         except OSError as exc:
             return ActionResult(False, f"{shown}: {exc.strerror or exc}")
         if done.returncode != 0:
             output = (done.stderr or done.stdout or "").strip().splitlines()
-            tail = f": {output[-1][:200]}" if output else ""
+            # The command's own words: scrubbed, escape sequences shown.
+            tail = f": {printable(scrub(output[-1]))[:200]}" if output else ""
             return ActionResult(False, f"{shown} exited with status {done.returncode}{tail}")
         return ActionResult(True, f"ran {shown}")
 

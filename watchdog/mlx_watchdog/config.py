@@ -39,6 +39,7 @@ expected: `watch.toml: instances.gemma.restart.type: expected one of ...`.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import sys
@@ -97,6 +98,7 @@ class InstanceConfig:
     pid: Optional[int] = None
     pidfile: Optional[str] = None
     process_match: Optional[str] = None
+    cacert: Optional[str] = None  # https: CA certificates instead of the system's
     max_restarts: int = defaults.MAX_RESTARTS
     restart_window: float = defaults.RESTART_WINDOW_S
 
@@ -129,9 +131,25 @@ def _path(value: Any) -> str:
 
 
 def _url(value: Any) -> str:
-    if not isinstance(value, str) or not re.match(r"^https?://[^/\s]+", value):
-        raise _Bad('a URL like "http://127.0.0.1:8080"')
+    from .probe import url_problem
+
+    problem = url_problem(value)
+    if problem:
+        raise _Bad(f'a URL like "http://127.0.0.1:8080" ({problem})')
     return value.rstrip("/")
+
+
+def _cacert(value: Any) -> str:
+    from .probe import make_tls_context
+
+    path = _path(value)
+    try:
+        make_tls_context(path)
+    except OSError as exc:
+        raise _Bad(f"a readable PEM file of CA certificates ({exc.strerror or exc})") from None
+    except Exception as exc:  # ssl.SSLError: not PEM certificates
+        raise _Bad(f"a PEM file of CA certificates ({exc})") from None
+    return path
 
 
 def _number(
@@ -145,6 +163,9 @@ def _number(
         types = (int,) if integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, types):
             raise _Bad(expected)
+        # nan passes every comparison below; inf overflows timers and sleeps.
+        if not math.isfinite(value) or value > MAX_NUMBER:
+            raise _Bad(f"a finite {expected.removeprefix('a ')} (at most {MAX_NUMBER:g})")
         if value < minimum or (value == minimum and not inclusive):
             raise _Bad(expected)
         return value
@@ -205,6 +226,7 @@ def _env_var(value: Any) -> str:
 
 
 REQUIRED = object()
+MAX_NUMBER = 1e7  # seconds (115 days) or counts; more overflows sleeps and timers
 
 _GLOBAL = {
     "state_file": (_path, None),
@@ -220,6 +242,7 @@ _INSTANCE = {
     "model": (_string, defaults.MODEL),
     "api_key": (_string, None),
     "api_key_env": (_env_var, None),
+    "cacert": (_cacert, None),
     "interval": (_seconds, defaults.PROBE_INTERVAL_S),
     "timeout": (_seconds, defaults.PROBE_TIMEOUT_S),
     "failures": (_count, defaults.FAILURES),
@@ -326,6 +349,10 @@ def load_config(path: "str | os.PathLike[str]") -> WatchConfig:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {_toml_message(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.start}); TOML files must be UTF-8"
+        ) from None
     return parse_config(data, path)
 
 
@@ -359,13 +386,15 @@ def _instance(reader: _Reader, name: str, body: Any) -> InstanceConfig:
         raise reader.error(f"{prefix}.api_key_env", "expected api_key or api_key_env, not both")
     key_env = values.pop("api_key_env")
     api_key = values.pop("api_key") or (os.environ[key_env] if key_env else None)
+    if key_env and not api_key.strip():
+        raise reader.error(f"{prefix}.api_key_env", f"the variable {key_env} is empty")
     evidence = [k for k in ("pid", "pidfile", "process_match") if values[k] is not None]
     if len(evidence) > 1:
         raise reader.error(
             f"{prefix}.{evidence[1]}", "expected at most one of pid, pidfile, process_match"
         )
     restart = _restart(reader, values.pop("restart"), f"{prefix}.restart")
-    secret = Secret(api_key) if api_key else None
+    secret = Secret(api_key) if api_key else None  # stripped of whitespace
     return InstanceConfig(name=name, restart=restart, api_key=secret, **values)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -14,11 +15,25 @@ import click
 from . import defaults
 from .log import FORMATS, Events, setup_logging
 from .metrics import Metrics
-from .probe import OK, UNHEALTHY, UNREACHABLE, Probe
+from .probe import OK, UNHEALTHY, UNREACHABLE, Probe, check_url, make_tls_context
+from .redact import secret
 from .state import StateStore, default_state_path, format_status, read_state
 
-_SECONDS = click.FloatRange(min=0, min_open=True)
-_SECONDS_OR_ZERO = click.FloatRange(min=0)
+
+class _FiniteFloat(click.FloatRange):
+    """A FloatRange that refuses nan (it passes every bound) and inf."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number) or number > 1e7:
+            self.fail(f"{value!r} is not a finite number of at most 1e7", param, ctx)
+        return number
+
+
+_SECONDS = _FiniteFloat(min=0, min_open=True)
+_SECONDS_OR_ZERO = _FiniteFloat(min=0)
 _EXIT_CODES = {OK: 0, UNHEALTHY: 1, UNREACHABLE: 2}
 
 
@@ -28,7 +43,44 @@ def _api_key_option(f: Callable) -> Callable:
         envvar=defaults.API_KEY_ENV,
         show_envvar=True,
         default=None,
-        help="Sent as 'Authorization: Bearer KEY'. Never logged or stored.",
+        help="Sent as 'Authorization: Bearer KEY'. Never logged or stored, and "
+        "whitespace around it is dropped. A key given as a flag shows in `ps` to every "
+        f"local user: prefer the {defaults.API_KEY_ENV} variable (or api_key_env in a "
+        "config file).",
+    )(f)
+
+
+def _check_url(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    if value is None:
+        return None
+    try:
+        return check_url(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _check_cacert(ctx: click.Context, param: click.Parameter, value: Optional[str]):
+    if value is None:
+        return None
+    try:
+        make_tls_context(value)
+    except OSError as exc:
+        raise click.BadParameter(f"{value}: {exc.strerror or exc}", ctx=ctx, param=param) from None
+    except Exception as exc:  # ssl.SSLError: not PEM certificates
+        raise click.BadParameter(
+            f"{value}: not a PEM file of CA certificates ({exc})", ctx=ctx, param=param
+        ) from None
+    return value
+
+
+def _cacert_option(f: Callable) -> Callable:
+    return click.option(
+        "--cacert",
+        type=click.Path(dir_okay=False),
+        default=None,
+        callback=_check_cacert,
+        help="https: trust the CA certificates in this PEM file (instead of the system's "
+        "trust store, which honours SSL_CERT_FILE and SSL_CERT_DIR).",
     )(f)
 
 
@@ -81,7 +133,13 @@ def _daemon_options(f: Callable) -> Callable:
 
 
 @click.command("probe")
-@click.option("--url", default=defaults.URL, show_default=True, help="The server's base URL.")
+@click.option(
+    "--url",
+    default=defaults.URL,
+    show_default=True,
+    callback=_check_url,
+    help="The server's base URL.",
+)
 @click.option(
     "--timeout",
     type=_SECONDS,
@@ -97,9 +155,16 @@ def _daemon_options(f: Callable) -> Callable:
     show_default=True,
     help="GET /health first; a 503 there means the generation thread is gone.",
 )
+@_cacert_option
 @click.pass_context
 def probe_command(
-    ctx: click.Context, url: str, timeout: float, model: str, api_key: Optional[str], health: bool
+    ctx: click.Context,
+    url: str,
+    timeout: float,
+    model: str,
+    api_key: Optional[str],
+    health: bool,
+    cacert: Optional[str],
 ) -> None:
     """Send one real one-token completion and print the result as JSON.
 
@@ -107,7 +172,9 @@ def probe_command(
     generation thread), 2 unreachable (nothing listening). Usable as a
     Kubernetes, Docker or Consul exec health check.
     """
-    result = Probe(url, timeout=timeout, model=model, api_key=api_key, check_health=health)()
+    result = Probe(
+        url, timeout=timeout, model=model, api_key=api_key, check_health=health, cacert=cacert
+    )()
     fields = ("status", "latency_s", "tokens", "reason")
     click.echo(json.dumps({k: getattr(result, k) for k in fields}))
     ctx.exit(_EXIT_CODES[result.status])
@@ -120,7 +187,9 @@ def probe_command(
 @click.option(
     "--url",
     default=None,
-    help=f"Where to probe. [default: from the command's --host/--port, else {defaults.URL}]",
+    callback=_check_url,
+    help="Where to probe. [default: from the command's --host/--port; mlx_lm.server's "
+    f"own {defaults.URL} when it has none; an error when the port cannot be read]",
 )
 @click.option(
     "--name", default=None, help="Instance name in logs, metrics and status. [default: host:port]"
@@ -176,6 +245,7 @@ def probe_command(
 )
 @_model_option
 @_api_key_option
+@_cacert_option
 @_daemon_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def supervise_command(
@@ -193,6 +263,7 @@ def supervise_command(
     no_shim: bool,
     model: str,
     api_key: Optional[str],
+    cacert: Optional[str],
     metrics_port: Optional[int],
     metrics_host: Optional[str],
     log_format: Optional[str],
@@ -228,7 +299,7 @@ def supervise_command(
     with tempfile.TemporaryDirectory(prefix="mlx-watchdog-") as private:
         supervisor = Supervisor(
             command,
-            probe=Probe(url, timeout=probe_timeout, model=model, api_key=api_key),
+            probe=Probe(url, timeout=probe_timeout, model=model, api_key=api_key, cacert=cacert),
             name=name,
             url=url,
             env=env,
@@ -297,6 +368,7 @@ def watch_command(
 def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str]) -> None:
     """Show what the running watchdog last saw of each instance."""
     path = state_file or default_state_path()
+    secret(os.environ.get(defaults.API_KEY_ENV))  # known, so scrubbed from the output
     try:
         data = read_state(path)
     except FileNotFoundError:
@@ -309,16 +381,23 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
     except (OSError, ValueError) as exc:
         click.echo(f"cannot read {path}: {exc}", err=True)
         ctx.exit(1)
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else format_status(data))
+    if as_json:
+        from .redact import scrub
+
+        click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
+    else:
+        click.echo(format_status(data))
 
 
 def _metrics(port: Optional[int], host: Optional[str]) -> Metrics:
     metrics = Metrics()
     if port:
+        host = host or defaults.METRICS_HOST
         try:
-            metrics.serve(port, host or defaults.METRICS_HOST)
+            metrics.serve(port, host)
         except OSError as exc:
+            shown = f"[{host}]" if ":" in host else host
             raise click.ClickException(
-                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+                f"cannot serve metrics on {shown}:{port}: {exc.strerror or exc}"
             ) from None
     return metrics

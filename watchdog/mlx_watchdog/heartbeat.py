@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .safefile import open_regular
+
 LOADING = "loading"
 SERVING = "serving"
 _MAX_BYTES = 4096
@@ -45,7 +47,8 @@ class HeartbeatReading:
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
     """The heartbeat in path, or None if the file is missing, partial or garbage."""
     try:
-        with open(path, "rb") as handle:
+        # Not a link nor a FIFO: the folder may belong to the server's user.
+        with os.fdopen(open_regular(path), "rb") as handle:
             data = json.loads(handle.read(_MAX_BYTES))
     except (OSError, ValueError):
         return None

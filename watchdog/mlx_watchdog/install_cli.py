@@ -168,10 +168,20 @@ def _prepare_install(*, manager, model, port, host, name, python, watchdog_pytho
         user_name = None
     name = sv.check_name(name if name is not None else sv.default_name(port))
     for arg in server_args:
-        if any(ord(c) < 0x20 for c in arg):
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in arg):
             raise sv.FlagError("SERVER_ARGS", f"{arg!r} contains a control character")
+        flag = arg.split("=", 1)[0]
+        if flag in ("--host", "--port", "--model"):
+            # The server would listen (or load) elsewhere than the watchdog
+            # probes, and a --host after -- could expose it on every interface.
+            raise sv.FlagError("SERVER_ARGS", f"{flag} after -- is not allowed: give it as "
+                                              f"install's own {flag} (before --)")
     if not host:
         raise sv.FlagError("--host", "must not be empty")
+    for flag, value in (("--model", model), ("--host", host), ("--python", python),
+                        ("--watchdog-python", watchdog_python), ("--shim-dir", shim_dir)):
+        if value is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise sv.FlagError(flag, f"{value!r} contains a control character (a newline?)")
 
     server_python = sv.resolve_executable(python or sys.executable, "--python")
     _check_python_module(server_python, "mlx_lm", "--python")
@@ -180,6 +190,15 @@ def _prepare_install(*, manager, model, port, host, name, python, watchdog_pytho
     else:
         wd_python = sv.resolve_executable(watchdog_python, "--watchdog-python")
         _check_python_module(wd_python, "mlx_watchdog", "--watchdog-python")
+
+    if manager == "systemd":
+        from . import systemd
+
+        for flag, path in (("--python", server_python), ("--watchdog-python", wd_python)):
+            try:
+                systemd.check_executable(path)
+            except ValueError as exc:
+                raise sv.FlagError(flag, str(exc)) from None
 
     model_value, local = sv.resolve_model(model)
     if not local:
@@ -677,7 +696,8 @@ then (plus the manifest `{sysi.manifest_path}`):
     {sys_cmds}
 
 The server runs as `{a['linux_user']}` (`User=`) with `StateDirectory=mlx-watchdog`;
-the watchdog runs as root so that it may restart the system unit.
+the watchdog runs as root so that it may restart the system unit, and keeps
+its state in its own root-owned `StateDirectory=mlx-watchdog-root`.
 
 Logs go to the journal: `journalctl --user -u {units[0]}` (without `--user`
 for the system units). Check units with `systemd-analyze verify` (it needs the

@@ -95,6 +95,7 @@ class Evidence:
     cpu_s: Optional[float] = None  # CPU seconds used since the previous tick...
     wall_s: Optional[float] = None  # ...over this many seconds
     heartbeat: Optional[HeartbeatReading] = None
+    process_problem: Optional[str] = None  # why process_alive is None (e.g. ambiguous)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class Judge:
         if probe.http_status is None or probe.http_status in (502, 504):
             # No answer at all: as likely queued as stuck. Without evidence,
             # give it the benefit of the doubt, up to max_busy.
-            return self._busy(evidence, f"{probe.reason}; no CPU or heartbeat to check")
+            missing = evidence.process_problem or "no CPU or heartbeat to check"
+            return self._busy(evidence, f"{probe.reason}; {missing}")
         self._stalled += 1
         return self._count(FAILING, WEDGED, self._stalled, probe.reason, BAD_ANSWER)
 

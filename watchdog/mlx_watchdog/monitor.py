@@ -72,6 +72,7 @@ class Monitor:
         self._last_probe: Optional[Dict[str, Any]] = None
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
+        self._process_problem: Optional[str] = None
 
     def started(self) -> None:
         """The server (re)started outside of a restart by this monitor."""
@@ -95,8 +96,13 @@ class Monitor:
                 cpu_s=sample.cpu_s,
                 wall_s=sample.wall_s,
                 heartbeat=beat,
+                process_problem=sample.problem,
             )
         )
+        if sample.problem != self._process_problem:  # say it once, not every tick
+            if sample.problem:
+                self.events.warning("process", sample.problem)
+            self._process_problem = sample.problem
         if probe.ok:
             self.policy.healthy(now)
         if verdict.restart:

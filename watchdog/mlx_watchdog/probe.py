@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import ssl
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from . import defaults
-from .redact import Secret, redact_url, scrub, secret
+from .redact import Secret, printable, redact_url, scrub, secret
 
 OK = "ok"
 UNHEALTHY = "unhealthy"
@@ -81,8 +82,10 @@ class Probe:
         api_key: "Optional[str | Secret]" = None,
         check_health: bool = defaults.CHECK_HEALTH,
         max_body: int = defaults.MAX_BODY_BYTES,
+        cacert: Optional[str] = None,
     ):
         self.url = url.rstrip("/")
+        self.cacert = cacert  # a PEM file of CA certificates for https, else the system's
         self.timeout = float(timeout)
         self.model = model
         self.api_key = api_key if isinstance(api_key, Secret) else secret(api_key)
@@ -149,7 +152,7 @@ class Probe:
             headers["Content-Type"] = "application/json"
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key.reveal()}"
-        conn = _Connection(target, remaining, deadline)
+        conn = _Connection(target, remaining, deadline, self.cacert)
         try:
             try:
                 conn.connect()
@@ -239,9 +242,48 @@ def _oserror(exc: BaseException) -> str:
 
 
 def _short(text: str) -> str:
-    # scrub: a server may echo the key back in an error message.
-    text = scrub(" ".join(text.split()))
+    # scrub: a server may echo the key back in an error message; printable:
+    # its terminal escape sequences must not reach logs and `status` raw.
+    text = printable(scrub(" ".join(text.split())))
     return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 3] + "..."
+
+
+def check_url(url: str) -> str:
+    """url without a trailing slash, or ValueError saying what is wrong.
+
+    For the CLI and the config, up front: a typo (htp://, a port out of
+    range) is a usage error, not a server that never answers.
+    """
+    problem = url_problem(url)
+    if problem:
+        shown = redact_url(url) if isinstance(url, str) else repr(url)
+        raise ValueError(
+            f"invalid URL {shown!r}: {problem}; expected http(s)://HOST[:PORT], "
+            'like "http://127.0.0.1:8080"'
+        )
+    return url.rstrip("/")
+
+
+def url_problem(url: object) -> Optional[str]:
+    """What is wrong with url as a server's base URL, or None."""
+    if not isinstance(url, str) or not url:
+        return "empty"
+    if any(c.isspace() or not c.isprintable() for c in url):
+        return "whitespace or a control character in it"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"scheme {parts.scheme!r} is not http or https" if parts.scheme else "no scheme"
+    if not parts.hostname:
+        return "no host"
+    if port == 0:
+        return "port 0"
+    if parts.query or parts.fragment:
+        return "a ?query or #fragment"
+    return None
 
 
 @dataclass(frozen=True)
@@ -278,6 +320,7 @@ class _Target:
 
 class _Deadline:
     def __init__(self, seconds: float):
+        self.seconds = seconds
         self._ends = time.monotonic() + seconds
         self._sockets: List[socket.socket] = []
         self._lock = threading.Lock()
@@ -318,19 +361,45 @@ def _shutdown(sock: socket.socket) -> None:
 
 
 class _Connection(http.client.HTTPConnection):
-    """HTTP or HTTPS; the socket is handed to the deadline as soon as it exists."""
+    """HTTP or HTTPS; the socket is handed to the deadline as soon as it exists.
 
-    def __init__(self, target: _Target, timeout: float, deadline: _Deadline):
+    The name is resolved under the deadline too (see _resolve), then the
+    resolved address is connected to; the Host header and TLS SNI keep the
+    name.
+    """
+
+    def __init__(
+        self, target: _Target, timeout: float, deadline: _Deadline, cacert: Optional[str] = None
+    ):
         super().__init__(target.host, target.port, timeout=timeout)
         self._target = target
         self._deadline = deadline
+        self._cacert = cacert
+        self._create_connection = self._connect_resolved
+
+    def _connect_resolved(self, address, timeout=None, source_address=None) -> socket.socket:
+        host, port = address
+        error: Optional[OSError] = None
+        for family, kind, proto, _, sockaddr in _resolve(host, port, self._deadline):
+            remaining = self._deadline.remaining()
+            if remaining <= 0:
+                raise socket.timeout("timed out")
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(remaining)
+                sock.connect(sockaddr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+        raise error or OSError(f"no address for {host}")
 
     def connect(self) -> None:
         super().connect()  # TCP only
         if self._target.tls:
             # Hand over the TLS socket (wrapping detaches the plain one), then
             # shake hands under the deadline.
-            self.sock = _tls_context().wrap_socket(
+            self.sock = _tls_context(self._cacert).wrap_socket(
                 self.sock, server_hostname=self._target.host, do_handshake_on_connect=False
             )
             self._deadline.track(self.sock)
@@ -339,16 +408,89 @@ class _Connection(http.client.HTTPConnection):
             self._deadline.track(self.sock)
 
 
-_tls: Optional[ssl.SSLContext] = None
+# -- name resolution under the deadline --------------------------------------
+#
+# getaddrinfo cannot be interrupted, and a resolver that never answers holds
+# it for as long as the system's resolver timeouts add up (10 s and more). So
+# it runs on a daemon thread that the probe waits for only until the
+# deadline. A lookup still pending is shared by the next probes of that name
+# instead of starting another: a dead resolver costs one thread, not one per
+# probe.
 
 
-def _tls_context() -> ssl.SSLContext:
-    global _tls
-    if _tls is None:
-        try:  # certifi, when installed, spares macOS users a missing CA store
+class _Lookup:
+    def __init__(self, host: str, port: int):
+        self.done = threading.Event()
+        self.result: list = []
+        self.error: Optional[OSError] = None
+        thread = threading.Thread(
+            target=self._run, args=(host, port), name=f"resolve {host}", daemon=True
+        )
+        thread.start()
+
+    def _run(self, host: str, port: int) -> None:
+        try:
+            self.result = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+_lookups: Dict[Tuple[str, int], _Lookup] = {}
+_lookups_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, deadline: "_Deadline") -> list:
+    try:  # an address needs no resolver
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except OSError:
+        pass
+    key = (host, port)
+    with _lookups_lock:
+        lookup = _lookups.get(key)
+        if lookup is None or lookup.done.is_set():
+            lookup = _lookups[key] = _Lookup(host, port)
+    if not lookup.done.wait(max(0.0, deadline.remaining())):
+        raise _Failed(UNHEALTHY, f"timed out after {deadline.seconds:g}s resolving {host}")
+    with _lookups_lock:
+        if _lookups.get(key) is lookup:
+            del _lookups[key]
+    if lookup.error is not None:
+        raise lookup.error
+    return lookup.result
+
+
+_tls: Dict[Optional[str], ssl.SSLContext] = {}
+
+
+def _tls_context(cacert: Optional[str] = None) -> ssl.SSLContext:
+    """The system's trust store (which honours SSL_CERT_FILE and
+    SSL_CERT_DIR), or cacert alone when given.
+
+    certifi, when installed, is added to the system store, not put in its
+    place: on a macOS python.org build the system store of OpenSSL may be
+    empty, while a private CA lives in SSL_CERT_FILE or the system store.
+    When SSL_CERT_FILE or SSL_CERT_DIR is set, that is what the user chose:
+    no certifi then.
+    """
+    context = _tls.get(cacert)
+    if context is None:
+        context = make_tls_context(cacert)
+        _tls[cacert] = context
+    return context
+
+
+def make_tls_context(cacert: Optional[str] = None) -> ssl.SSLContext:
+    """A verifying client context; ssl.SSLError or OSError for a bad cacert."""
+    if cacert:
+        return ssl.create_default_context(cafile=cacert)
+    context = ssl.create_default_context()
+    if not (os.environ.get("SSL_CERT_FILE") or os.environ.get("SSL_CERT_DIR")):
+        try:
             import certifi
 
-            _tls = ssl.create_default_context(cafile=certifi.where())
-        except ImportError:
-            _tls = ssl.create_default_context()
-    return _tls
+            context.load_verify_locations(cafile=certifi.where())
+        except (ImportError, OSError, ssl.SSLError):
+            pass
+    return context

@@ -20,6 +20,11 @@ class ProcessNotFound(Exception):
     """The process could not be found; the message says why."""
 
 
+class AmbiguousProcess(ProcessNotFound):
+    """More than one process matches: which is the server is unknown, which
+    is not the same as "not running" (nothing to restart for)."""
+
+
 class ProcessTable:
     """The real process table: psutil.Process objects."""
 
@@ -121,7 +126,10 @@ class ProcessLocator:
             raise ProcessNotFound(f"no process matches {self.match!r}")
         if len(found) > 1:
             pids = ", ".join(str(p.pid) for p in found[:10])
-            raise ProcessNotFound(f"{len(found)} processes match {self.match!r} (pids {pids})")
+            raise AmbiguousProcess(
+                f"ambiguous: {len(found)} processes match {self.match!r} (pids {pids}); "
+                "make the pattern match only the server"
+            )
         return found[0]
 
 
@@ -130,6 +138,7 @@ class ProcessSample:
     alive: Optional[bool] = None  # None: there is no process to look at
     cpu_s: Optional[float] = None  # CPU seconds since the previous sample
     wall_s: Optional[float] = None  # wall seconds since the previous sample
+    problem: Optional[str] = None  # why there is no process to look at (ambiguous match)
 
 
 class CpuSampler:
@@ -171,6 +180,9 @@ class CpuSampler:
         try:
             root = self._find()
             totals = _cpu_totals(root, self._procs(root, rescan))
+        except AmbiguousProcess as exc:  # unknown, not dead: no evidence either way
+            self._last = None
+            return ProcessSample(alive=None, problem=str(exc))
         except (ProcessNotFound, psutil.NoSuchProcess):
             self._last = None
             return ProcessSample(alive=False)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Set
+import json
+from typing import Any, Optional, Set
 from urllib.parse import urlsplit, urlunsplit
 
 MASK = "***"
@@ -22,9 +23,13 @@ class Secret:
     __slots__ = ("_value",)
 
     def __init__(self, value: str):
+        # A key read from a file or a Kubernetes secret usually ends in a
+        # newline: that is never part of the key, and sent as is it breaks the
+        # header (and once leaked through the error's repr).
+        value = value.strip()
         self._value = value
         if value:
-            _known.add(value)
+            _known.update(_shown_forms(value))
 
     def reveal(self) -> str:
         return self._value
@@ -43,16 +48,40 @@ class Secret:
 
 
 def secret(value: Optional[str]) -> Optional[Secret]:
-    """Wrap value in a Secret; None and "" mean no secret."""
-    return Secret(value) if value else None
+    """Wrap value in a Secret; None, "" and blanks mean no secret."""
+    return Secret(value) if value and value.strip() else None
+
+
+def _shown_forms(value: str) -> Set[str]:
+    """value as it may appear in output: as is, inside a repr() (str or
+    bytes) and JSON-escaped (the state file, JSON logs)."""
+    forms = {value, repr(value)[1:-1], json.dumps(value)[1:-1]}
+    try:
+        forms.add(repr(value.encode())[2:-1])
+    except UnicodeEncodeError:  # pragma: no cover - lone surrogates
+        pass
+    return {form for form in forms if form}
 
 
 def scrub(text: str) -> str:
-    """text with every known secret replaced by ***."""
-    for value in _known:
+    """text with every known secret (in each shown form) replaced by ***."""
+    if not _known or not isinstance(text, str):
+        return text
+    for value in sorted(_known, key=len, reverse=True):  # longest first
         if value in text:
             text = text.replace(value, MASK)
     return text
+
+
+def scrub_all(value: Any) -> Any:
+    """scrub() applied to every string inside value (dicts, lists, tuples)."""
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, dict):
+        return {scrub_all(k): scrub_all(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(scrub_all(v) for v in value)
+    return value
 
 
 def redact_url(url: str) -> str:
@@ -66,3 +95,14 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{netloc[-1]}"))
+
+
+# Control characters (C0, DEL, C1) shown as \xNN: a server's error text with
+# terminal escape sequences must not drive the operator's terminal through
+# the log or `status`.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: Any) -> str:
+    """str(text) with every control character escaped, newlines and tabs too."""
+    return str(text).translate(_CONTROLS)

@@ -168,8 +168,17 @@ class Instance:
         return manifest_path(self.layout, self.name)
 
     @property
+    def watchdog_state_dir(self) -> Path:
+        """Where the watchdog keeps its state. A root watchdog (systemd
+        --system --user-name U) must not write into the server's folder,
+        which U owns: it gets <state_dir>-root, owned by root."""
+        if self.system and self.user_name:
+            return self.layout.state_dir.with_name(self.layout.state_dir.name + "-root")
+        return self.layout.state_dir
+
+    @property
     def state_file(self) -> Path:
-        return self.layout.state_dir / f"{self.name}.state.json"
+        return self.watchdog_state_dir / f"{self.name}.state.json"
 
     @property
     def heartbeat_file(self) -> Path:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
+
+from .redact import printable, scrub, scrub_all
+from .safefile import NotARegularFile, open_regular
 
 VERSION = 1
 
@@ -58,10 +62,15 @@ class StateStore:
             if changed or now - self._written_at >= self.min_interval_s:
                 self._flush(now)
 
-    def flush(self) -> None:
-        """Write whatever is not written yet (at exit)."""
-        with self._lock:
+    def flush(self, timeout: float = 5.0) -> None:
+        """Write whatever is not written yet (at exit). Gives up after timeout
+        if a monitor thread holds the lock: exiting on SIGTERM comes first."""
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
             self._flush(time.time())
+        finally:
+            self._lock.release()
 
     def _flush(self, now: float) -> None:
         if self.path is not None and self._dirty:
@@ -71,7 +80,8 @@ class StateStore:
     def _write(self, path: Path) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(f"{path}.lock", "a") as lock:
+            # O_NOFOLLOW and no blocking on a FIFO: see safefile.py.
+            with os.fdopen(open_regular(f"{path}.lock", os.O_RDWR | os.O_CREAT), "r+b") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if _signature(path) != self._written:  # someone else wrote since
                     self._others = _other_daemons_instances(path)
@@ -79,13 +89,15 @@ class StateStore:
                 _write_atomically(path, {"version": VERSION, "instances": instances})
                 self._written = _signature(path)
             self.error = None
+        except NotARegularFile as exc:
+            self.error = f"cannot write state file {path}: {exc.strerror}"
         except OSError as exc:
             self.error = f"cannot write state file {path}: {exc.strerror or exc}"
 
 
 def _signature(path: Path) -> Optional[Tuple[int, int, int]]:
     try:
-        st = path.stat()
+        st = path.lstat()
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -109,7 +121,9 @@ def _write_atomically(path: Path, data: Dict[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w") as handle:
             # Compact: the C encoder is several times cheaper than indent=.
-            handle.write(json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")
+            # scrub: a key may hide in any reason or detail, JSON-escaped here.
+            text = json.dumps(scrub_all(data), separators=(",", ":"), sort_keys=True)
+            handle.write(scrub(text) + "\n")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -119,8 +133,8 @@ def _write_atomically(path: Path, data: Dict[str, Any]) -> None:
 
 def read_state(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     """The state file's content; FileNotFoundError or ValueError if unusable."""
-    with open(path) as handle:
-        data = json.load(handle)
+    with os.fdopen(open_regular(path), "rb") as handle:
+        data = json.loads(handle.read())
     if not isinstance(data, dict) or not isinstance(data.get("instances"), dict):
         raise ValueError(f"{path} is not an mlx-watchdog state file")
     return data
@@ -132,7 +146,11 @@ def format_status(
     now: Optional[float] = None,
     pid_alive: Optional[Callable[[int], bool]] = None,
 ) -> str:
-    """The state file as text for people."""
+    """The state file as text for people.
+
+    The file may be damaged, old or hand-edited: a record of the wrong shape
+    is shown as such, never a traceback; control characters are escaped.
+    """
     now = time.time() if now is None else now
     if pid_alive is None:
         import psutil
@@ -142,40 +160,58 @@ def format_status(
     if not instances:
         return "no instances in the state file"
     lines = []
-    for name in sorted(instances):
-        record = instances[name]
-        since = _ago(now, record.get("since"), suffix="")
-        lines.append(f"{name}: {record.get('state', '?')} for {since}  {record.get('url', '')}")
-        if record.get("reason"):
-            lines.append(f"  why: {record['reason']}")
-        probe = record.get("last_probe")
-        if isinstance(probe, dict):
-            lines.append(
-                f"  last probe: {probe.get('status')} in {probe.get('latency_s', 0):.2f}s, "
-                f"{_ago(now, probe.get('time'))}"
-                + (f" ({probe['reason']})" if probe.get("status") != "ok" else "")
-            )
-        restart = record.get("last_restart")
-        count = record.get("restarts", 0)
-        if isinstance(restart, dict):
-            outcome = "ok" if restart.get("ok") else "FAILED"
-            lines.append(
-                f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
-                f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
-            )
-        else:
-            lines.append(f"  restarts: {count}")
-        pid = record.get("daemon_pid")
-        if isinstance(pid, int) and not pid_alive(pid):
-            lines.append(
-                f"  note: the watchdog that wrote this (pid {pid}) is not running; "
-                f"last update {_ago(now, record.get('updated'))}"
-            )
-    return "\n".join(lines)
+    for name in sorted(instances, key=str):
+        try:
+            lines += _format_record(name, instances[name], now, pid_alive)
+        except Exception as exc:  # a malformed record: say so, go on
+            lines.append(f"{printable(name)}: malformed record ({type(exc).__name__})")
+    return scrub("\n".join(lines))
+
+
+def _format_record(name: str, record: Any, now: float, pid_alive: Callable[[int], bool]):
+    if not isinstance(record, dict):
+        return [f"{printable(name)}: malformed record (not a table)"]
+    p = printable
+    lines = []
+    since = _ago(now, record.get("since"), suffix="")
+    lines.append(f"{p(name)}: {p(record.get('state', '?'))} for {since}  {p(record.get('url', ''))}")
+    if record.get("reason"):
+        lines.append(f"  why: {p(record['reason'])}")
+    probe = record.get("last_probe")
+    if isinstance(probe, dict):
+        latency = probe.get("latency_s")
+        latency = f"{latency:.2f}s" if _is_number(latency) else "?"
+        lines.append(
+            f"  last probe: {p(probe.get('status'))} in {latency}, "
+            f"{_ago(now, probe.get('time'))}"
+            + (f" ({p(probe.get('reason'))})" if probe.get("status") != "ok" else "")
+        )
+    restart = record.get("last_restart")
+    count = record.get("restarts", 0)
+    count = count if _is_number(count) else "?"
+    if isinstance(restart, dict):
+        outcome = "ok" if restart.get("ok") else "FAILED"
+        lines.append(
+            f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
+            f"({p(restart.get('cause'))}, {outcome}: {p(restart.get('detail'))})"
+        )
+    else:
+        lines.append(f"  restarts: {count}")
+    pid = record.get("daemon_pid")
+    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not pid_alive(pid):
+        lines.append(
+            f"  note: the watchdog that wrote this (pid {pid}) is not running; "
+            f"last update {_ago(now, record.get('updated'))}"
+        )
+    return lines
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _ago(now: float, then: Any, suffix: str = " ago") -> str:
-    if not isinstance(then, (int, float)):
+    if not _is_number(then):
         return "?"
     seconds = max(0, int(now - then))
     if seconds < 60:

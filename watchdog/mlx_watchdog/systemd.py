@@ -77,10 +77,35 @@ def quote_exec_arg(arg: str) -> str:
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def check_executable(path: str) -> None:
+    """ValueError unless systemd can run path as ExecStart='s first word.
+
+    systemd refuses an executable name holding quotes or a backslash
+    ("Executable name contains special characters"), however it is quoted,
+    and expands no $VARIABLE in it.
+    """
+    if not path.startswith("/"):
+        raise ValueError(f"ExecStart= needs an absolute path, got {path!r}")
+    _check_line(path, "executable path")
+    bad = sorted({c for c in path if c in "\"'\\"})
+    if bad:
+        raise ValueError(
+            f"{path!r} contains {' '.join(bad)}, which systemd refuses in an executable's "
+            "path whatever the quoting; use a path without them (a symlink will do)"
+        )
+
+
+def quote_executable(path: str) -> str:
+    """The first word of ExecStart=: % escaped, $ literal (not expanded there)."""
+    check_executable(path)
+    word = escape_specifiers(path)
+    return word if _SAFE_WORD.match(word) else f'"{word}"'
+
+
 def exec_line(argv: Sequence[str]) -> str:
-    if not argv or not str(argv[0]).startswith("/"):
-        raise ValueError(f"ExecStart= needs an absolute path, got {argv[:1]!r}")
-    return " ".join(quote_exec_arg(str(a)) for a in argv)
+    if not argv:
+        raise ValueError("ExecStart= needs a command")
+    return " ".join([quote_executable(str(argv[0]))] + [quote_exec_arg(str(a)) for a in argv[1:]])
 
 
 def environment_line(key: str, value: str) -> str:
@@ -175,7 +200,11 @@ def watchdog_unit(inst: Instance) -> str:
     ]
     lines += [environment_line(k, v) for k, v in inst.watchdog_env().items()]
     # --system: the watchdog runs as root (no User=) so that it may restart
-    # the system unit of the server.
+    # the system unit of the server. Root keeps its state in a folder of its
+    # own: the server's StateDirectory belongs to User=, who could plant a
+    # link or a FIFO there.
+    if inst.system and inst.user_name:
+        lines.append(f"StateDirectory={inst.watchdog_state_dir.name}")
     lines += [
         "Restart=always",
         f"RestartSec={RESTART_SEC}",

@@ -68,6 +68,7 @@ def build_monitor(
             model=instance.model,
             api_key=instance.api_key,
             check_health=instance.health_check,
+            cacert=instance.cacert,
         ),
         judge=Judge(
             JudgeConfig(
@@ -112,6 +113,7 @@ class Watcher:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, self.request_stop)
+            self._wakeup.wake_on_signals()  # even one taken by a monitor thread
         threads: List[threading.Thread] = []
         try:
             for name, monitor in self.monitors.items():
