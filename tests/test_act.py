@@ -13,7 +13,6 @@ import pytest
 from mlx_watchdog.act import (
     CommandRestart,
     LaunchdRestart,
-    RestartPolicy,
     SignalRestart,
     SystemdRestart,
 )
@@ -295,78 +294,6 @@ def test_cpu_sampler_on_this_very_process():
     sum(i * i for i in range(200000))
     sample = sampler.sample()
     assert sample.alive and sample.cpu_s is not None and sample.cpu_s >= 0
-
-
-# -- the restart policy ------------------------------------------------------------
-
-
-def policy(**kwargs) -> RestartPolicy:
-    options = dict(boot_grace_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
-                   window_s=300)
-    options.update(kwargs)
-    return RestartPolicy(**options)
-
-
-def test_boot_grace_after_start_and_restart():
-    p = policy()
-    assert not p.in_grace(0)
-    p.started(0)
-    assert p.in_grace(59.9) and not p.in_grace(60)
-    p.record_restart(100)
-    assert p.in_grace(159) and not p.in_grace(160)
-
-
-def test_a_healthy_probe_ends_the_grace_early():
-    p = policy()
-    p.started(0)
-    p.healthy(1)
-    assert not p.in_grace(2)
-
-
-def test_first_restart_is_immediate_then_exponential_backoff_capped():
-    p = policy(max_restarts=100)
-    now, waits = 0.0, []
-    for _ in range(7):
-        decision = p.check(now)
-        if not decision.allowed:
-            waits.append(round(decision.wait_s, 6))
-            now += decision.wait_s
-            assert p.check(now).allowed
-        else:
-            waits.append(0.0)
-        p.record_restart(now)
-    assert waits == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-
-
-def test_backoff_message():
-    p = policy()
-    p.record_restart(0)
-    p.record_restart(1)
-    decision = p.check(1.5)
-    assert not decision.allowed and not decision.crash_looping
-    assert "backoff" in decision.reason
-
-
-def test_healthy_resets_the_backoff():
-    p = policy()
-    for t in (0, 1, 3):
-        p.record_restart(t)
-    p.healthy(50)
-    assert p.check(50).allowed
-
-
-def test_crash_loop_pauses_restarts_until_the_window_clears():
-    p = policy(backoff_initial_s=0)  # no backoff: only the cap
-    for t in range(5):
-        assert p.check(t).allowed
-        p.record_restart(t)
-    decision = p.check(10)
-    assert not decision.allowed and decision.crash_looping
-    assert decision.wait_s == pytest.approx(290)
-    assert "5 restarts in 300s" in decision.reason
-    p.healthy(20)  # a healthy moment does not forgive a crash loop
-    assert not p.check(299).allowed
-    assert p.check(300).allowed  # the first restart left the window
 
 
 def test_cpu_sampler_lists_children_only_when_asked_or_the_root_changes():

@@ -158,14 +158,36 @@ def probe_command(
 @_number_option(
     "--stop-grace",
     defaults.STOP_GRACE_S,
-    "Seconds between SIGTERM and SIGKILL.",
+    "Seconds between SIGTERM and SIGKILL. Generous on purpose: SIGKILL of a process "
+    "holding a large wired model on macOS has been reported to leak that memory.",
     kind=_SECONDS_OR_ZERO,
 )
 @_number_option(
     "--max-restarts",
     defaults.MAX_RESTARTS,
-    "Restarts allowed per --restart-window; more is a crash loop and restarts pause.",
+    "This many restarts per --restart-window shows as crash-looping (in logs, metrics "
+    "and status); restarts go on at the backoff's pace.",
     kind=click.IntRange(min=1),
+)
+@_number_option(
+    "--backoff-max",
+    defaults.BACKOFF_MAX_S,
+    "The longest wait before a restart; the wait starts at 1 s and doubles.",
+    kind=_SECONDS_OR_ZERO,
+)
+@_number_option(
+    "--backoff-reset",
+    defaults.BACKOFF_RESET_S,
+    "Seconds the server must stay healthy before the backoff starts again from 1 s.",
+    kind=_SECONDS_OR_ZERO,
+)
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help=f"Where crash reports go (also given to the shim as {defaults.REPORT_DIR_ENV}). "
+    "[default: $MLX_HOTFIX_REPORT_DIR, ~/Library/Logs/mlx-watchdog/reports on macOS, "
+    "$XDG_STATE_HOME/mlx-watchdog/reports elsewhere]",
 )
 @_number_option("--restart-window", defaults.RESTART_WINDOW_S, "Seconds, see --max-restarts.")
 @click.option(
@@ -189,6 +211,9 @@ def supervise_command(
     heartbeat_timeout: float,
     stop_grace: float,
     max_restarts: int,
+    backoff_max: float,
+    backoff_reset: float,
+    report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
     model: str,
@@ -207,7 +232,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .act import RestartPolicy
+    from .policy import RestartPolicy
     from .judge import JudgeConfig
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
@@ -238,10 +263,15 @@ def supervise_command(
                 failures=failures, max_busy_s=max_busy, heartbeat_timeout_s=heartbeat_timeout
             ),
             policy=RestartPolicy(
-                boot_grace_s=boot_grace, max_restarts=max_restarts, window_s=restart_window
+                boot_grace_s=boot_grace,
+                max_restarts=max_restarts,
+                window_s=restart_window,
+                backoff_max_s=backoff_max,
+                backoff_reset_s=backoff_reset,
             ),
             interval_s=probe_interval,
             stop_grace_s=stop_grace,
+            report_dir=report_dir,
             metrics=metrics,
             state=state,
         )

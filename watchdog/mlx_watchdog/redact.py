@@ -66,3 +66,24 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     user = parts.username or ""
     return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{netloc[-1]}"))
+
+
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "auth")
+
+
+def redact_argv(argv: "list[str]") -> "list[str]":
+    """Values of flags that look secret become *** (--api-key K, --token=K)."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        secret_flag = flag.startswith("-") and any(w in flag.lower() for w in _SECRET_WORDS)
+        if secret_flag and eq:
+            out.append(f"{flag}={MASK}")
+        else:
+            out.append(scrub(arg))
+            hide_next = secret_flag
+    return out

@@ -14,7 +14,6 @@ from typing import Dict, List, Optional
 from .act import (
     CommandRestart,
     LaunchdRestart,
-    RestartPolicy,
     SignalRestart,
     SystemdRestart,
 )
@@ -24,6 +23,7 @@ from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
 from .monitor import Monitor, RestartAction
+from .policy import RestartPolicy
 from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
@@ -81,6 +81,8 @@ def build_monitor(
             boot_grace_s=instance.boot_grace,
             max_restarts=instance.max_restarts,
             window_s=instance.restart_window,
+            backoff_max_s=instance.backoff_max,
+            backoff_reset_s=instance.backoff_reset,
         ),
         action=build_action(instance.restart),
         url=instance.url,
