@@ -337,3 +337,60 @@ def test_cpu_sampler_a_long_lived_child_found_late_counts_from_then():
     assert sampler.sample(rescan=True).cpu_s == 0.0
     server._children[0].cpu = 502.0
     assert sampler.sample(rescan=True).cpu_s == pytest.approx(2.0)
+
+
+FAKE_SYSTEMCTL = """#!/bin/sh
+# A systemctl whose unit hit its start limit: restart is refused until reset-failed.
+echo "$*" >> "$FAKE_SYSTEMCTL_LOG"
+case "$*" in
+  *reset-failed*) rm -f "$FAKE_SYSTEMCTL_STATE"; exit 0;;
+  *restart*)
+    if [ -e "$FAKE_SYSTEMCTL_STATE" ]; then
+      echo "Job for mlx.service failed because the start of the service was attempted too often." >&2
+      echo "See \\"systemctl status mlx.service\\" and \\"journalctl -xeu mlx.service\\" for details." >&2
+      echo "To force a start use \\"systemctl reset-failed mlx.service\\" followed by \\"systemctl start mlx.service\\" again." >&2
+      exit 1
+    fi
+    exit 0;;
+esac
+exit 0
+"""
+
+
+def test_systemd_restart_survives_a_unit_that_hit_its_start_limit(tmp_path, monkeypatch):
+    (tmp_path / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (tmp_path / "systemctl").chmod(0o755)
+    state, log = tmp_path / "start-limit-hit", tmp_path / "calls"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMCTL_STATE", str(state))
+    monkeypatch.setenv("FAKE_SYSTEMCTL_LOG", str(log))
+    action = SystemdRestart("mlx.service")
+    for _ in range(3):  # failed by the start limit each time: restarts still happen
+        state.touch()
+        result = action.restart("wedged")
+        assert result.ok, result.detail
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["--user reset-failed mlx.service", "--user --no-block restart mlx.service"]
+
+
+class ScriptedRunner:
+    def __init__(self, answers):
+        self.answers, self.calls = list(answers), []
+
+    def __call__(self, argv, timeout):
+        self.calls.append(argv)
+        code, err = self.answers.pop(0) if "restart" in argv else (0, "")
+        return subprocess.CompletedProcess(argv, code, "", err)
+
+
+def test_systemd_start_limit_refusal_is_answered_with_reset_failed_and_a_retry():
+    refused = (1, "Job for mlx.service failed because the start of the service was "
+                  "attempted too often.\nSee \"systemctl status mlx.service\"\n")
+    runner = ScriptedRunner([refused, (0, "")])
+    result = SystemdRestart("mlx.service", user=False, runner=runner).restart("r")
+    assert result.ok and "start limit" in result.detail
+    assert [c[1] for c in runner.calls] == ["reset-failed", "--no-block", "reset-failed",
+                                            "--no-block"]
+    runner = ScriptedRunner([refused, refused])
+    result = SystemdRestart("mlx.service", user=False, runner=runner).restart("r")
+    assert not result.ok and "start limit hit" in result.detail

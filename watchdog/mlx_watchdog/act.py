@@ -75,6 +75,8 @@ class CommandRestart:
         if done.returncode != 0:
             output = (done.stderr or done.stdout or "").strip().splitlines()
             tail = f": {output[-1][:200]}" if output else ""
+            if any("start-limit" in line or "too often" in line for line in output):
+                tail += " (start limit hit: attempted too often)"
             return ActionResult(False, f"{shown} exited with status {done.returncode}{tail}")
         return ActionResult(True, f"ran {shown}")
 
@@ -95,17 +97,43 @@ class LaunchdRestart(CommandRestart):
 
 
 class SystemdRestart(CommandRestart):
-    """`systemctl [--user] --no-block restart <unit>`.
+    """`systemctl [--user] reset-failed <unit>`, then `systemctl [--user] --no-block restart <unit>`.
 
     --no-block: a Type=notify unit's restart job lasts until READY=1, that is
     the whole model load; the watchdog queues the job and watches the boot
     through its own boot grace instead of blocking on systemctl.
+
+    reset-failed first: a unit that hit its start limit (StartLimitBurst, in a
+    unit edited by hand) stays failed for good and refuses restarts with
+    start-limit-hit; the watchdog's own backoff paces restarts instead. A
+    refusal naming the start limit is answered with reset-failed and one retry.
     """
 
     def __init__(self, unit: str, user: bool = True, **kwargs):
         self.unit, self.user = unit, user
         scope = ["--user"] if user else []
+        self._reset_argv = ["systemctl", *scope, "reset-failed", unit]
         super().__init__(["systemctl", *scope, "--no-block", "restart", unit], **kwargs)
+
+    def restart(self, reason: str) -> ActionResult:
+        self._reset_failed()  # best effort; the restart says what went wrong
+        result = super().restart(reason)
+        if not result.ok and _START_LIMIT_HIT in result.detail.lower():
+            self._reset_failed()
+            retried = super().restart(reason)
+            if retried.ok:
+                return ActionResult(True, f"{retried.detail} (after reset-failed: start limit hit)")
+            return retried
+        return result
+
+    def _reset_failed(self) -> None:
+        try:
+            self._runner(list(self._reset_argv), self.timeout)
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+
+_START_LIMIT_HIT = "too often"  # "...the start of the service was attempted too often"
 
 
 class SignalRestart:
