@@ -14,32 +14,11 @@ import click
 from . import defaults
 from .log import FORMATS, Events, setup_logging
 from .metrics import Metrics
-from .probe import OK, UNHEALTHY, UNREACHABLE, Probe
+from .probe import Probe
+from .probe_cli import _SECONDS, _api_key_option, _model_option, probe_command  # noqa: F401
 from .state import StateStore, default_state_path, format_status, read_state
 
-_SECONDS = click.FloatRange(min=0, min_open=True)
 _SECONDS_OR_ZERO = click.FloatRange(min=0)
-_EXIT_CODES = {OK: 0, UNHEALTHY: 1, UNREACHABLE: 2}
-
-
-def _api_key_option(f: Callable) -> Callable:
-    return click.option(
-        "--api-key",
-        envvar=defaults.API_KEY_ENV,
-        show_envvar=True,
-        default=None,
-        help="Sent as 'Authorization: Bearer KEY'. Never logged or stored.",
-    )(f)
-
-
-def _model_option(f: Callable) -> Callable:
-    return click.option(
-        "--model",
-        default=defaults.MODEL,
-        show_default=True,
-        help="The model name the probe asks for. Use what your clients send: in "
-        "mlx-lm a request for another model reloads the model.",
-    )(f)
 
 
 def _state_file_option(f: Callable) -> Callable:
@@ -78,39 +57,6 @@ def _daemon_options(f: Callable) -> Callable:
         help="Serve Prometheus metrics on this port (off unless given).",
     )(f)
     return f
-
-
-@click.command("probe")
-@click.option("--url", default=defaults.URL, show_default=True, help="The server's base URL.")
-@click.option(
-    "--timeout",
-    type=_SECONDS,
-    default=defaults.PROBE_TIMEOUT_S,
-    show_default=True,
-    help="Seconds for the whole probe, /health and completion together.",
-)
-@_model_option
-@_api_key_option
-@click.option(
-    "--health/--no-health",
-    default=defaults.CHECK_HEALTH,
-    show_default=True,
-    help="GET /health first; a 503 there means the generation thread is gone.",
-)
-@click.pass_context
-def probe_command(
-    ctx: click.Context, url: str, timeout: float, model: str, api_key: Optional[str], health: bool
-) -> None:
-    """Send one real one-token completion and print the result as JSON.
-
-    Exit status: 0 healthy, 1 unhealthy (timeout, error, no tokens, dead
-    generation thread), 2 unreachable (nothing listening). Usable as a
-    Kubernetes, Docker or Consul exec health check.
-    """
-    result = Probe(url, timeout=timeout, model=model, api_key=api_key, check_health=health)()
-    fields = ("status", "latency_s", "tokens", "reason")
-    click.echo(json.dumps({k: getattr(result, k) for k in fields}))
-    ctx.exit(_EXIT_CODES[result.status])
 
 
 @click.command(
