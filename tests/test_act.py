@@ -13,7 +13,6 @@ import pytest
 from mlx_watchdog.act import (
     CommandRestart,
     LaunchdRestart,
-    RestartPolicy,
     SignalRestart,
     SystemdRestart,
 )
@@ -297,78 +296,6 @@ def test_cpu_sampler_on_this_very_process():
     assert sample.alive and sample.cpu_s is not None and sample.cpu_s >= 0
 
 
-# -- the restart policy ------------------------------------------------------------
-
-
-def policy(**kwargs) -> RestartPolicy:
-    options = dict(boot_grace_s=60, backoff_initial_s=1, backoff_max_s=8, max_restarts=5,
-                   window_s=300)
-    options.update(kwargs)
-    return RestartPolicy(**options)
-
-
-def test_boot_grace_after_start_and_restart():
-    p = policy()
-    assert not p.in_grace(0)
-    p.started(0)
-    assert p.in_grace(59.9) and not p.in_grace(60)
-    p.record_restart(100)
-    assert p.in_grace(159) and not p.in_grace(160)
-
-
-def test_a_healthy_probe_ends_the_grace_early():
-    p = policy()
-    p.started(0)
-    p.healthy(1)
-    assert not p.in_grace(2)
-
-
-def test_first_restart_is_immediate_then_exponential_backoff_capped():
-    p = policy(max_restarts=100)
-    now, waits = 0.0, []
-    for _ in range(7):
-        decision = p.check(now)
-        if not decision.allowed:
-            waits.append(round(decision.wait_s, 6))
-            now += decision.wait_s
-            assert p.check(now).allowed
-        else:
-            waits.append(0.0)
-        p.record_restart(now)
-    assert waits == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
-
-
-def test_backoff_message():
-    p = policy()
-    p.record_restart(0)
-    p.record_restart(1)
-    decision = p.check(1.5)
-    assert not decision.allowed and not decision.crash_looping
-    assert "backoff" in decision.reason
-
-
-def test_healthy_resets_the_backoff():
-    p = policy()
-    for t in (0, 1, 3):
-        p.record_restart(t)
-    p.healthy(50)
-    assert p.check(50).allowed
-
-
-def test_crash_loop_pauses_restarts_until_the_window_clears():
-    p = policy(backoff_initial_s=0)  # no backoff: only the cap
-    for t in range(5):
-        assert p.check(t).allowed
-        p.record_restart(t)
-    decision = p.check(10)
-    assert not decision.allowed and decision.crash_looping
-    assert decision.wait_s == pytest.approx(290)
-    assert "5 restarts in 300s" in decision.reason
-    p.healthy(20)  # a healthy moment does not forgive a crash loop
-    assert not p.check(299).allowed
-    assert p.check(300).allowed  # the first restart left the window
-
-
 def test_cpu_sampler_lists_children_only_when_asked_or_the_root_changes():
     server = FakeProc(1, cpu=1.0)
     sampler = sampler_for(lambda: server)
@@ -410,3 +337,60 @@ def test_cpu_sampler_a_long_lived_child_found_late_counts_from_then():
     assert sampler.sample(rescan=True).cpu_s == 0.0
     server._children[0].cpu = 502.0
     assert sampler.sample(rescan=True).cpu_s == pytest.approx(2.0)
+
+
+FAKE_SYSTEMCTL = """#!/bin/sh
+# A systemctl whose unit hit its start limit: restart is refused until reset-failed.
+echo "$*" >> "$FAKE_SYSTEMCTL_LOG"
+case "$*" in
+  *reset-failed*) rm -f "$FAKE_SYSTEMCTL_STATE"; exit 0;;
+  *restart*)
+    if [ -e "$FAKE_SYSTEMCTL_STATE" ]; then
+      echo "Job for mlx.service failed because the start of the service was attempted too often." >&2
+      echo "See \\"systemctl status mlx.service\\" and \\"journalctl -xeu mlx.service\\" for details." >&2
+      echo "To force a start use \\"systemctl reset-failed mlx.service\\" followed by \\"systemctl start mlx.service\\" again." >&2
+      exit 1
+    fi
+    exit 0;;
+esac
+exit 0
+"""
+
+
+def test_systemd_restart_survives_a_unit_that_hit_its_start_limit(tmp_path, monkeypatch):
+    (tmp_path / "systemctl").write_text(FAKE_SYSTEMCTL)
+    (tmp_path / "systemctl").chmod(0o755)
+    state, log = tmp_path / "start-limit-hit", tmp_path / "calls"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMCTL_STATE", str(state))
+    monkeypatch.setenv("FAKE_SYSTEMCTL_LOG", str(log))
+    action = SystemdRestart("mlx.service")
+    for _ in range(3):  # failed by the start limit each time: restarts still happen
+        state.touch()
+        result = action.restart("wedged")
+        assert result.ok, result.detail
+    calls = log.read_text().splitlines()
+    assert calls[:2] == ["--user reset-failed mlx.service", "--user --no-block restart mlx.service"]
+
+
+class ScriptedRunner:
+    def __init__(self, answers):
+        self.answers, self.calls = list(answers), []
+
+    def __call__(self, argv, timeout):
+        self.calls.append(argv)
+        code, err = self.answers.pop(0) if "restart" in argv else (0, "")
+        return subprocess.CompletedProcess(argv, code, "", err)
+
+
+def test_systemd_start_limit_refusal_is_answered_with_reset_failed_and_a_retry():
+    refused = (1, "Job for mlx.service failed because the start of the service was "
+                  "attempted too often.\nSee \"systemctl status mlx.service\"\n")
+    runner = ScriptedRunner([refused, (0, "")])
+    result = SystemdRestart("mlx.service", user=False, runner=runner).restart("r")
+    assert result.ok and "start limit" in result.detail
+    assert [c[1] for c in runner.calls] == ["reset-failed", "--no-block", "reset-failed",
+                                            "--no-block"]
+    runner = ScriptedRunner([refused, refused])
+    result = SystemdRestart("mlx.service", user=False, runner=runner).restart("r")
+    assert not result.ok and "start limit hit" in result.detail

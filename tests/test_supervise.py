@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from mlx_watchdog import defaults
-from mlx_watchdog.act import RestartPolicy
+from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.judge import (
     BUSY,
     CRASH_LOOPING,
@@ -165,6 +165,7 @@ def make(tmp_path, *, boot_grace=0.0, max_restarts=5, backoff=1.0):
         policy=RestartPolicy(boot_grace_s=boot_grace, backoff_initial_s=backoff,
                              max_restarts=max_restarts, window_s=300),
         stop_grace_s=3,
+        report_dir=tmp_path / "reports",
         spawn=spawner,
         process=process,
         metrics=Metrics(),
@@ -203,27 +204,80 @@ def test_child_exit_is_restarted_at_once(tmp_path):
     assert supervisor.monitor.restarts == 1
 
 
-def test_repeated_exits_back_off_then_crash_loop(tmp_path):
+def test_repeated_exits_back_off_and_a_crash_loop_never_stops_restarts(tmp_path):
     supervisor, spawner, probes, _, clock = make(tmp_path, max_restarts=2, backoff=1.0)
+    supervisor.monitor.policy.backoff_max_s = 8.0
     supervisor.start()
     spawner.current.code = 1
     assert supervisor.tick().state == DOWN  # restarted at once
     assert len(spawner.children) == 2
-    spawner.current.code = 1
-    clock.now += 5  # past the 1 s backoff
-    supervisor.tick()
-    assert len(spawner.children) == 3
-    spawner.current.code = 1
-    clock.now += 0.5
-    verdict = supervisor.tick()  # 2 restarts in the window: paused
-    assert verdict.state == CRASH_LOOPING and len(spawner.children) == 3
-    for _ in range(10):  # stays paused, no spinning
-        clock.now += 5
-        assert supervisor.tick().state == CRASH_LOOPING
-    assert len(spawner.children) == 3
-    clock.now += 300  # the window clears
-    supervisor.tick()
-    assert len(spawner.children) == 4
+    states = set()
+    for _ in range(60):  # 60 deaths, each seen 0.5 s after the last restart
+        spawner.current.code = 1
+        clock.now += 0.5
+        exit_seen = clock.now
+        before = len(spawner.children)
+        while len(spawner.children) == before:
+            states.add(supervisor.tick().state)
+            assert clock.now - exit_seen <= 8.0  # never longer than the cap
+            clock.now += 0.25
+    assert CRASH_LOOPING in states
+    assert len(spawner.children) == 62
+
+
+def test_a_tick_that_raises_is_logged_and_supervising_goes_on(tmp_path, caplog):
+    supervisor, spawner, probes, _, clock = make(tmp_path)
+    supervisor.interval_s = 0.01
+    calls = []
+    real_tick = supervisor.tick
+
+    def tick():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in one tick")
+        if len(calls) >= 3:
+            supervisor.request_stop()
+        return real_tick()
+
+    supervisor.tick = tick
+    with caplog.at_level("ERROR"):
+        assert supervisor.run() == 0
+    assert len(calls) >= 3
+    failed = [r for r in caplog.records if getattr(r, "event", "") == "tick-error"]
+    assert failed and failed[0].exc_info and "a bug in one tick" in str(failed[0].exc_info[1])
+    assert spawner.children[0].stops or spawner.children[0].signals  # the child was stopped
+
+
+def test_the_child_goes_when_the_loop_itself_breaks(tmp_path):
+    supervisor, spawner, *_ = make(tmp_path)
+    supervisor.interval_s = 0.01
+
+    def broken_sleep(_):
+        raise KeyboardInterrupt  # not an Exception: the loop ends
+
+    supervisor._wakeup.sleep = broken_sleep
+    with pytest.raises(KeyboardInterrupt):
+        supervisor.run()
+    child = spawner.children[0]
+    assert child.stops and signal.SIGKILL in child.signals or child.code is not None
+    assert supervisor.child is None
+
+
+def test_a_wedged_child_gets_sigusr1_for_its_stacks_before_sigterm(tmp_path, monkeypatch):
+    supervisor, spawner, probes, process, clock = make(tmp_path)
+    supervisor.stacks_wait_s = 0.01
+    order = []
+    monkeypatch.setattr(
+        "mlx_watchdog.reports.capture_stacks",
+        lambda pids, **kw: order.append(("stacks", list(pids), kw["reason"])) or None)
+    supervisor.start()
+    child = spawner.current
+    real_stop = child.stop
+    child.stop = lambda grace_s, sig=signal.SIGTERM: order.append(("stop", grace_s)) or real_stop(
+        grace_s, sig)
+    supervisor.restart("wedged: no progress")
+    assert order[0][0] == "stacks" and order[0][1][0] == child.pid
+    assert order[1] == ("stop", 3)
 
 
 def test_backoff_waits_between_restarts(tmp_path):

@@ -428,26 +428,23 @@ def test_connection_refused_while_the_new_child_loads_is_starting_not_a_crash(
     assert sup.terminate() == 0
 
 
-def test_a_crash_loop_is_reported_and_does_not_spin(watchdogs):
+def test_a_crash_loop_is_shown_and_restarts_never_stop(watchdogs):
     # Default probe interval (5 s): the exits are seen at once all the same (SIGCHLD).
     sup = watchdogs(["supervise", "--no-shim", "--max-restarts", "3", "--restart-window", "120",
-                     "--url", f"http://127.0.0.1:{free_port()}", "--",
+                     "--backoff-max", "2", "--url", f"http://127.0.0.1:{free_port()}", "--",
                      sys.executable, "-c", "import sys; sys.exit(70)"])
     looping = sup.wait_event(lambda e: e.get("state") == "crash-looping", 60, "crash-looping")
-    assert "crash loop: 3 restarts in 120s, restarts paused" in looping["message"], looping
-    assert "server exited with code 70; crash loop" in looping["message"]  # no shim: no claim
-    spawns = len(sup.child_pids())
-    assert spawns == 4  # the first start and three restarts
-    time.sleep(5)  # paused: nothing more is spawned, nothing more is logged
-    events = sup.events()
-    assert len(sup.child_pids()) == spawns
-    assert [e["event"] for e in events[-1:]] == ["state"] and len(events) < 40, events
+    assert "crash-looping: " in looping["message"], looping
+    assert "server exited with code 70" in looping["message"]  # no shim: no claim
+    # Crash-looping is shown, never obeyed: restarts go on at the capped backoff.
+    sup.wait_for(lambda: len(sup.child_pids()) >= 12, 120, "restarts to go on")
+    assert sup.alive()
     record = sup.record()
-    assert record["state"] == "crash-looping" and record["restarts"] == 3
+    assert record["state"] == "crash-looping" and record["restarts"] >= 11
     assert_never_crashed(sup)
     status = subprocess.run([sys.executable, "-m", "mlx_watchdog", "status", "--state-file",
                              str(sup.state_path)], capture_output=True, text=True, timeout=60)
-    assert "crash-looping" in status.stdout and "crash loop" in status.stdout, status
+    assert "crash-looping" in status.stdout, status
     assert sup.terminate() == 0
 
 

@@ -1,4 +1,4 @@
-"""Act: how to restart a server, and when not to.
+"""Act: how to restart a server (when is policy.py's decision).
 
 Every action is `restart(reason) -> ActionResult` and never raises; a failure
 (non-zero exit, missing binary, no such process) comes back as ok=False with
@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import psutil
 
@@ -79,6 +78,8 @@ class CommandRestart:
             output = (done.stderr or done.stdout or "").strip().splitlines()
             # The command's own words: scrubbed, escape sequences shown.
             tail = f": {printable(scrub(output[-1]))[:200]}" if output else ""
+            if any("start-limit" in line or "too often" in line for line in output):
+                tail += " (start limit hit: attempted too often)"
             return ActionResult(False, f"{shown} exited with status {done.returncode}{tail}")
         return ActionResult(True, f"ran {shown}")
 
@@ -99,17 +100,43 @@ class LaunchdRestart(CommandRestart):
 
 
 class SystemdRestart(CommandRestart):
-    """`systemctl [--user] --no-block restart <unit>`.
+    """`systemctl [--user] reset-failed <unit>`, then `systemctl [--user] --no-block restart <unit>`.
 
     --no-block: a Type=notify unit's restart job lasts until READY=1, that is
     the whole model load; the watchdog queues the job and watches the boot
     through its own boot grace instead of blocking on systemctl.
+
+    reset-failed first: a unit that hit its start limit (StartLimitBurst, in a
+    unit edited by hand) stays failed for good and refuses restarts with
+    start-limit-hit; the watchdog's own backoff paces restarts instead. A
+    refusal naming the start limit is answered with reset-failed and one retry.
     """
 
     def __init__(self, unit: str, user: bool = True, **kwargs):
         self.unit, self.user = unit, user
         scope = ["--user"] if user else []
+        self._reset_argv = ["systemctl", *scope, "reset-failed", unit]
         super().__init__(["systemctl", *scope, "--no-block", "restart", unit], **kwargs)
+
+    def restart(self, reason: str) -> ActionResult:
+        self._reset_failed()  # best effort; the restart says what went wrong
+        result = super().restart(reason)
+        if not result.ok and _START_LIMIT_HIT in result.detail.lower():
+            self._reset_failed()
+            retried = super().restart(reason)
+            if retried.ok:
+                return ActionResult(True, f"{retried.detail} (after reset-failed: start limit hit)")
+            return retried
+        return result
+
+    def _reset_failed(self) -> None:
+        try:
+            self._runner(list(self._reset_argv), self.timeout)
+        except (OSError, subprocess.SubprocessError):
+            pass
+
+
+_START_LIMIT_HIT = "too often"  # "...the start of the service was attempted too often"
 
 
 class SignalRestart:
@@ -168,87 +195,5 @@ def _continue(proc) -> None:
         pass  # it is gone already, as wanted
 
 
-@dataclass(frozen=True)
-class RestartDecision:
-    allowed: bool
-    crash_looping: bool = False
-    wait_s: float = 0.0
-    reason: str = ""
-
-
-class RestartPolicy:
-    """Boot grace, exponential backoff, and a cap on restarts per window.
-
-    - After each start, failures do not count for `boot_grace_s` (or until the
-      first successful probe, whichever comes first).
-    - After n restarts with no healthy probe since, the next one waits
-      `backoff_initial_s * 2**(n-1)` after the previous one, at most
-      `backoff_max_s` (the first restart does not wait).
-    - More than `max_restarts` restarts within `window_s` is a crash loop:
-      restarts pause until the oldest falls out of the window.
-    Pure: every method takes `now` (monotonic seconds).
-    """
-
-    def __init__(
-        self,
-        *,
-        boot_grace_s: float = defaults.BOOT_GRACE_S,
-        backoff_initial_s: float = defaults.BACKOFF_INITIAL_S,
-        backoff_max_s: float = defaults.BACKOFF_MAX_S,
-        max_restarts: int = defaults.MAX_RESTARTS,
-        window_s: float = defaults.RESTART_WINDOW_S,
-    ):
-        self.boot_grace_s = boot_grace_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
-        self.max_restarts = max_restarts
-        self.window_s = window_s
-        self._grace_until: Optional[float] = None
-        self._restarts: Deque[float] = deque()
-        self._in_a_row = 0  # restarts since the last healthy probe
-
-    def started(self, now: float) -> None:
-        """A server process (re)started now: its boot grace begins."""
-        self._grace_until = now + self.boot_grace_s
-
-    def in_grace(self, now: float) -> bool:
-        return self._grace_until is not None and now < self._grace_until
-
-    def healthy(self, now: float) -> None:
-        """A probe succeeded: the boot is over and the backoff starts again."""
-        self._grace_until = None
-        self._in_a_row = 0
-
-    def backoff_s(self) -> float:
-        """The wait before the next restart, counted from the previous one."""
-        if self._in_a_row == 0:
-            return 0.0
-        return min(self.backoff_initial_s * 2 ** (self._in_a_row - 1), self.backoff_max_s)
-
-    def check(self, now: float) -> RestartDecision:
-        """May we restart now?"""
-        while self._restarts and self._restarts[0] <= now - self.window_s:
-            self._restarts.popleft()
-        if len(self._restarts) >= self.max_restarts:
-            wait = self._restarts[0] + self.window_s - now
-            return RestartDecision(
-                False,
-                crash_looping=True,
-                wait_s=wait,
-                reason=(
-                    f"crash loop: {len(self._restarts)} restarts in {self.window_s:g}s, "
-                    f"restarts paused for {wait:.0f}s"
-                ),
-            )
-        if self._restarts:
-            wait = self._restarts[-1] + self.backoff_s() - now
-            if wait > 0:
-                reason = f"restart in {wait:.0f}s (backoff)"
-                return RestartDecision(False, wait_s=wait, reason=reason)
-        return RestartDecision(True)
-
-    def record_restart(self, now: float) -> None:
-        """A restart was attempted now (successful or not: both count)."""
-        self._restarts.append(now)
-        self._in_a_row += 1
-        self.started(now)
+# The restart policy moved to policy.py; kept importable from here for old callers.
+from .policy import RestartDecision, RestartPolicy  # noqa: E402,F401

@@ -12,10 +12,36 @@ import sys
 import click
 
 from . import __version__
-from .shim import shim_dir, with_shim
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# Each command: (module, attribute). Imported only when it runs (or for --help),
+# so `mlx-watchdog probe` does not load prometheus_client, the installer or
+# the daemon machinery (click's LazyGroup pattern).
+_LAZY = {
+    "probe": ("probe_cli", "probe_command"),
+    "supervise": ("daemon_cli", "supervise_command"),
+    "watch": ("daemon_cli", "watch_command"),
+    "status": ("daemon_cli", "status_command"),
+    "install": ("install_cli", "install_command"),
+    "uninstall": ("install_cli", "uninstall_command"),
+    "reports": ("reports_cli", "reports_command"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list:
+        return sorted(set(super().list_commands(ctx)) | set(_LAZY))
+
+    def get_command(self, ctx: click.Context, name: str):
+        if name in _LAZY:
+            import importlib
+
+            module, attribute = _LAZY[name]
+            return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlx-watchdog")
 def main() -> None:
     """Keep mlx_lm.server serving: hotfix shim, probes, judge and restarts."""
@@ -27,6 +53,8 @@ def shim_path_command() -> None:
 
     Example: PYTHONPATH="$(mlx-watchdog shim-path)" mlx_lm.server --model M
     """
+    from .shim import shim_dir
+
     click.echo(str(shim_dir()))
 
 
@@ -40,6 +68,8 @@ def exec_command(command: tuple) -> None:
 
     Example: mlx-watchdog exec -- mlx_lm.server --model M
     """
+    from .shim import with_shim
+
     env = with_shim()
     try:
         os.execvpe(command[0], list(command), env)
@@ -47,21 +77,5 @@ def exec_command(command: tuple) -> None:
         raise click.ClickException(f"cannot run {command[0]!r}: {exc.strerror}") from exc
 
 
-def _attach_commands() -> None:
-    from .daemon_cli import probe_command, status_command, supervise_command, watch_command
-    from .install_cli import install_command, uninstall_command
-
-    for command in (probe_command, supervise_command, watch_command, status_command,
-                    install_command, uninstall_command):
-        main.add_command(command)
-
-
-_attach_commands()
-
-
 if __name__ == "__main__":  # pragma: no cover
-    # Run as `python -m mlx_watchdog.cli`: the commands registered themselves on
-    # the imported module's group, not on this __main__ copy.
-    from mlx_watchdog.cli import main as registered_main
-
-    sys.exit(registered_main())
+    sys.exit(main())

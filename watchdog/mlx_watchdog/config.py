@@ -15,7 +15,10 @@
 Instance keys (defaults in defaults.py): url (required), model, api_key or
 api_key_env (the name of an environment variable holding it), interval,
 timeout, failures, boot_grace, health_check, heartbeat_file,
-heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window, and at
+heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window,
+backoff_max (the longest wait between restarts, default 60 s), backoff_reset
+(healthy this long resets the backoff, default 600 s), stop_grace (SIGTERM to
+SIGKILL, default 30 s), report_dir (where crash reports go), and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
 replaced; prefer pidfile or process_match. A signal restart's target doubles
@@ -27,7 +30,7 @@ longer.
 The restart table (required) is one of:
     { type = "launchd", label = "...", uid = 501, domain = "gui/501" }   # uid, domain optional
     { type = "systemd", unit = "...", user = true }
-    { type = "signal", pid = N | pidfile = "..." | match = "...", grace = 10 }
+    { type = "signal", pid = N | pidfile = "..." | match = "...", grace = 30 }  # grace: stop_grace
     { type = "command", argv = ["/path/to/restart", "arg"] }
     { type = "none" }                                   # watch and report only
 launchd, systemd and command also take timeout (seconds).
@@ -74,7 +77,7 @@ class RestartConfig:
     pid: Optional[int] = None  # signal
     pidfile: Optional[str] = None  # signal
     match: Optional[str] = None  # signal
-    grace: float = defaults.STOP_GRACE_S  # signal
+    grace: Optional[float] = None  # signal; None: the instance's stop_grace
     argv: Optional[Tuple[str, ...]] = None  # command
     timeout: float = defaults.ACTION_TIMEOUT_S  # launchd, systemd, command
 
@@ -101,6 +104,10 @@ class InstanceConfig:
     cacert: Optional[str] = None  # https: CA certificates instead of the system's
     max_restarts: int = defaults.MAX_RESTARTS
     restart_window: float = defaults.RESTART_WINDOW_S
+    backoff_max: float = defaults.BACKOFF_MAX_S
+    backoff_reset: float = defaults.BACKOFF_RESET_S
+    stop_grace: float = defaults.STOP_GRACE_S
+    report_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,10 @@ _INSTANCE = {
     "process_match": (_regex, None),
     "max_restarts": (_count, defaults.MAX_RESTARTS),
     "restart_window": (_seconds, defaults.RESTART_WINDOW_S),
+    "backoff_max": (_seconds_or_zero, defaults.BACKOFF_MAX_S),
+    "backoff_reset": (_seconds_or_zero, defaults.BACKOFF_RESET_S),
+    "stop_grace": (_seconds_or_zero, defaults.STOP_GRACE_S),
+    "report_dir": (_path, None),
 }
 
 _ACTION_TIMEOUT = (_seconds, defaults.ACTION_TIMEOUT_S)
@@ -272,7 +283,7 @@ _RESTART = {
         "pid": (_pid, None),
         "pidfile": (_path, None),
         "match": (_regex, None),
-        "grace": (_seconds, defaults.STOP_GRACE_S),
+        "grace": (_seconds_or_zero, None),
     },
     "command": {"argv": (_argv, REQUIRED), "timeout": _ACTION_TIMEOUT},
     "none": {},

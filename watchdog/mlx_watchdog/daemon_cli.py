@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -15,83 +14,18 @@ import click
 from . import defaults
 from .log import FORMATS, Events, setup_logging
 from .metrics import Metrics
-from .probe import OK, UNHEALTHY, UNREACHABLE, Probe, check_url, make_tls_context
+from .probe import Probe
+from .probe_cli import (  # noqa: F401 - probe_command is re-exported
+    _SECONDS,
+    _SECONDS_OR_ZERO,
+    _api_key_option,
+    _cacert_option,
+    _check_url,
+    _model_option,
+    probe_command,
+)
 from .redact import secret
 from .state import StateStore, default_state_path, format_status, read_state
-
-
-class _FiniteFloat(click.FloatRange):
-    """A FloatRange that refuses nan (it passes every bound) and inf."""
-
-    name = "float"
-
-    def convert(self, value, param, ctx):  # type: ignore[override]
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number) or number > 1e7:
-            self.fail(f"{value!r} is not a finite number of at most 1e7", param, ctx)
-        return number
-
-
-_SECONDS = _FiniteFloat(min=0, min_open=True)
-_SECONDS_OR_ZERO = _FiniteFloat(min=0)
-_EXIT_CODES = {OK: 0, UNHEALTHY: 1, UNREACHABLE: 2}
-
-
-def _api_key_option(f: Callable) -> Callable:
-    return click.option(
-        "--api-key",
-        envvar=defaults.API_KEY_ENV,
-        show_envvar=True,
-        default=None,
-        help="Sent as 'Authorization: Bearer KEY'. Never logged or stored, and "
-        "whitespace around it is dropped. A key given as a flag shows in `ps` to every "
-        f"local user: prefer the {defaults.API_KEY_ENV} variable (or api_key_env in a "
-        "config file).",
-    )(f)
-
-
-def _check_url(ctx: click.Context, param: click.Parameter, value: Optional[str]):
-    if value is None:
-        return None
-    try:
-        return check_url(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-
-
-def _check_cacert(ctx: click.Context, param: click.Parameter, value: Optional[str]):
-    if value is None:
-        return None
-    try:
-        make_tls_context(value)
-    except OSError as exc:
-        raise click.BadParameter(f"{value}: {exc.strerror or exc}", ctx=ctx, param=param) from None
-    except Exception as exc:  # ssl.SSLError: not PEM certificates
-        raise click.BadParameter(
-            f"{value}: not a PEM file of CA certificates ({exc})", ctx=ctx, param=param
-        ) from None
-    return value
-
-
-def _cacert_option(f: Callable) -> Callable:
-    return click.option(
-        "--cacert",
-        type=click.Path(dir_okay=False),
-        default=None,
-        callback=_check_cacert,
-        help="https: trust the CA certificates in this PEM file (instead of the system's "
-        "trust store, which honours SSL_CERT_FILE and SSL_CERT_DIR).",
-    )(f)
-
-
-def _model_option(f: Callable) -> Callable:
-    return click.option(
-        "--model",
-        default=defaults.MODEL,
-        show_default=True,
-        help="The model name the probe asks for. Use what your clients send: in "
-        "mlx-lm a request for another model reloads the model.",
-    )(f)
 
 
 def _state_file_option(f: Callable) -> Callable:
@@ -130,54 +64,6 @@ def _daemon_options(f: Callable) -> Callable:
         help="Serve Prometheus metrics on this port (off unless given).",
     )(f)
     return f
-
-
-@click.command("probe")
-@click.option(
-    "--url",
-    default=defaults.URL,
-    show_default=True,
-    callback=_check_url,
-    help="The server's base URL.",
-)
-@click.option(
-    "--timeout",
-    type=_SECONDS,
-    default=defaults.PROBE_TIMEOUT_S,
-    show_default=True,
-    help="Seconds for the whole probe, /health and completion together.",
-)
-@_model_option
-@_api_key_option
-@click.option(
-    "--health/--no-health",
-    default=defaults.CHECK_HEALTH,
-    show_default=True,
-    help="GET /health first; a 503 there means the generation thread is gone.",
-)
-@_cacert_option
-@click.pass_context
-def probe_command(
-    ctx: click.Context,
-    url: str,
-    timeout: float,
-    model: str,
-    api_key: Optional[str],
-    health: bool,
-    cacert: Optional[str],
-) -> None:
-    """Send one real one-token completion and print the result as JSON.
-
-    Exit status: 0 healthy, 1 unhealthy (timeout, error, no tokens, dead
-    generation thread), 2 unreachable (nothing listening). Usable as a
-    Kubernetes, Docker or Consul exec health check.
-    """
-    result = Probe(
-        url, timeout=timeout, model=model, api_key=api_key, check_health=health, cacert=cacert
-    )()
-    fields = ("status", "latency_s", "tokens", "reason")
-    click.echo(json.dumps({k: getattr(result, k) for k in fields}))
-    ctx.exit(_EXIT_CODES[result.status])
 
 
 @click.command(
@@ -227,14 +113,36 @@ def probe_command(
 @_number_option(
     "--stop-grace",
     defaults.STOP_GRACE_S,
-    "Seconds between SIGTERM and SIGKILL.",
+    "Seconds between SIGTERM and SIGKILL. Generous on purpose: SIGKILL of a process "
+    "holding a large wired model on macOS has been reported to leak that memory.",
     kind=_SECONDS_OR_ZERO,
 )
 @_number_option(
     "--max-restarts",
     defaults.MAX_RESTARTS,
-    "Restarts allowed per --restart-window; more is a crash loop and restarts pause.",
+    "This many restarts per --restart-window shows as crash-looping (in logs, metrics "
+    "and status); restarts go on at the backoff's pace.",
     kind=click.IntRange(min=1),
+)
+@_number_option(
+    "--backoff-max",
+    defaults.BACKOFF_MAX_S,
+    "The longest wait before a restart; the wait starts at 1 s and doubles.",
+    kind=_SECONDS_OR_ZERO,
+)
+@_number_option(
+    "--backoff-reset",
+    defaults.BACKOFF_RESET_S,
+    "Seconds the server must stay healthy before the backoff starts again from 1 s.",
+    kind=_SECONDS_OR_ZERO,
+)
+@click.option(
+    "--report-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help=f"Where crash reports go (also given to the shim as {defaults.REPORT_DIR_ENV}). "
+    "[default: $MLX_HOTFIX_REPORT_DIR, ~/Library/Logs/mlx-watchdog/reports on macOS, "
+    "$XDG_STATE_HOME/mlx-watchdog/reports elsewhere]",
 )
 @_number_option("--restart-window", defaults.RESTART_WINDOW_S, "Seconds, see --max-restarts.")
 @click.option(
@@ -259,6 +167,9 @@ def supervise_command(
     heartbeat_timeout: float,
     stop_grace: float,
     max_restarts: int,
+    backoff_max: float,
+    backoff_reset: float,
+    report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
     model: str,
@@ -278,7 +189,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .act import RestartPolicy
+    from .policy import RestartPolicy
     from .judge import JudgeConfig
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
@@ -309,10 +220,15 @@ def supervise_command(
                 failures=failures, max_busy_s=max_busy, heartbeat_timeout_s=heartbeat_timeout
             ),
             policy=RestartPolicy(
-                boot_grace_s=boot_grace, max_restarts=max_restarts, window_s=restart_window
+                boot_grace_s=boot_grace,
+                max_restarts=max_restarts,
+                window_s=restart_window,
+                backoff_max_s=backoff_max,
+                backoff_reset_s=backoff_reset,
             ),
             interval_s=probe_interval,
             stop_grace_s=stop_grace,
+            report_dir=report_dir,
             metrics=metrics,
             state=state,
         )

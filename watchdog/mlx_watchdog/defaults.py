@@ -29,11 +29,16 @@ CPU_BUSY_FRACTION = 0.05  # 5% of one core over the interval counts as progress
 MAX_BUSY_S = 600.0  # busy without any successful probe for this long => wedged
 
 # Restarting
-STOP_GRACE_S = 10.0  # SIGTERM, then SIGKILL after this long
+# SIGTERM, then SIGKILL after this long. Generous on purpose: a SIGKILLed
+# process holding a large wired model on macOS has been reported to leak the
+# wired memory until reboot, while SIGTERM released it (jundot/omlx #2184).
+STOP_GRACE_S = 30.0
+STACKS_WAIT_S = 2.0  # after SIGUSR1, wait this long for the server's stacks file
 ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
 BACKOFF_INITIAL_S = 1.0
-BACKOFF_MAX_S = 300.0
-MAX_RESTARTS = 5  # per window; more than that is a crash loop
+BACKOFF_MAX_S = 60.0  # restarts are never paused longer than this
+BACKOFF_RESET_S = 600.0  # healthy this long after a good probe: the backoff resets
+MAX_RESTARTS = 5  # this many per window is shown as crash-looping (restarts go on)
 RESTART_WINDOW_S = 300.0
 
 # Daemon
@@ -42,3 +47,4 @@ LOG_FORMAT = "text"
 API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
+REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too

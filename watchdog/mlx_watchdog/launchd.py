@@ -32,9 +32,14 @@ import plistlib
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from . import defaults
 from .services import LABEL_PREFIX, MARKER, Instance, watchdog_config_toml
 
 SERVER_THROTTLE_INTERVAL = 30
+# launchd's SIGTERM-to-SIGKILL time (default 20 s), raised to the watchdog's
+# stop grace: SIGKILL of a process holding a large wired model has been
+# reported to leak the wired memory until reboot (jundot/omlx #2184).
+SERVER_EXIT_TIMEOUT = int(defaults.STOP_GRACE_S)
 WATCHDOG_THROTTLE_INTERVAL = 10
 
 
@@ -59,6 +64,8 @@ def server_plist(inst: Instance) -> dict:
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False, "Crashed": True},
         "ThrottleInterval": SERVER_THROTTLE_INTERVAL,
+        # SIGTERM, then SIGKILL after this long: the watchdog's stop grace.
+        "ExitTimeOut": SERVER_EXIT_TIMEOUT,
         "ProcessType": "Interactive",
         "StandardOutPath": str(log_dir / f"{inst.name}.out.log"),
         "StandardErrorPath": str(log_dir / f"{inst.name}.err.log"),

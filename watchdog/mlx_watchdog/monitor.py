@@ -12,7 +12,8 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Protocol
 
-from .act import ActionResult, RestartPolicy
+from .act import ActionResult
+from .policy import RestartPolicy
 from .heartbeat import HeartbeatTracker
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
@@ -116,12 +117,18 @@ class Monitor:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
         now = self.clock()
         decision = self.policy.check(now)
+        if decision.crash_looping:
+            # Shown, never obeyed: restarts go on at the backoff's pace.
+            verdict = replace(verdict, state=CRASH_LOOPING)
         if not decision.allowed:
-            state = CRASH_LOOPING if decision.crash_looping else verdict.state
             reason = f"{verdict.reason}; {decision.reason}"
-            return replace(verdict, state=state, restart=False, reason=reason)
+            return replace(verdict, restart=False, reason=reason)
         self.events.warning(
-            "restart", f"restarting: {verdict.reason}", state=verdict.state, cause=verdict.cause
+            "restart",
+            f"restarting: {verdict.reason}" + (f" ({decision.reason})" if decision.reason else ""),
+            state=verdict.state,
+            cause=verdict.cause,
+            restarts_in_a_row=self.policy.restarts_in_a_row,
         )
         result = self.action.restart(verdict.reason)
         self.policy.record_restart(now)

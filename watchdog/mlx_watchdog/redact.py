@@ -106,3 +106,22 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 def printable(text: Any) -> str:
     """str(text) with every control character escaped, newlines and tabs too."""
     return str(text).translate(_CONTROLS)
+_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "auth")
+
+
+def redact_argv(argv: "list[str]") -> "list[str]":
+    """Values of flags that look secret become *** (--api-key K, --token=K)."""
+    out, hide_next = [], False
+    for arg in argv:
+        if hide_next:
+            out.append(MASK)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        secret_flag = flag.startswith("-") and any(w in flag.lower() for w in _SECRET_WORDS)
+        if secret_flag and eq:
+            out.append(f"{flag}={MASK}")
+        else:
+            out.append(scrub(arg))
+            hide_next = secret_flag
+    return out

@@ -5,12 +5,17 @@ and MLX_HOTFIX_HEARTBEAT_FILE pointing into a private directory. Each tick
 the supervisor restarts the child if it exited (whatever the exit code;
 SIGCHLD wakes the loop at once) and otherwise lets its Monitor probe, judge
 and, when wedged, restart it (SIGTERM and SIGCONT to the group, SIGKILL after
-a grace). Backoff and crash-loop limits apply to both. SIGTERM or SIGINT is
-passed on to the child, then the supervisor exits 0.
+a grace). Backoff applies to both (policy.py); it never stops restarting.
+Before a wedged child is stopped, SIGUSR1 asks the shim for every thread's
+stack and a `wedged` report keeps them (reports.py). SIGTERM or SIGINT is
+passed on to the child, then the supervisor exits 0. A tick that raises is
+logged with its traceback and the loop goes on; however the supervisor ends
+(signal, exception, crash of the loop), its child goes with it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -21,8 +26,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import psutil
 
-from . import defaults
-from .act import ActionResult, RestartPolicy
+from . import defaults, reports
+from .act import ActionResult
+from .policy import RestartPolicy
 from .heartbeat import HeartbeatTracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
 from .log import Events
@@ -173,6 +179,8 @@ class Supervisor:
         policy: Optional[RestartPolicy] = None,
         interval_s: float = defaults.PROBE_INTERVAL_S,
         stop_grace_s: float = defaults.STOP_GRACE_S,
+        report_dir: "Optional[str | os.PathLike[str]]" = None,
+        stacks_wait_s: float = defaults.STACKS_WAIT_S,
         spawn: Callable[[List[str], Mapping[str, str]], Child] = spawn,
         process: Optional[ProcessEvidence] = None,
         metrics: Optional[Metrics] = None,
@@ -191,6 +199,11 @@ class Supervisor:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
         self.interval_s = interval_s
         self.stop_grace_s = stop_grace_s
+        self.report_dir = reports.report_dir(report_dir)
+        self.stacks_wait_s = stacks_wait_s
+        self.last_report: Optional[str] = None
+        if shim:  # the shim and the watchdog must agree on where reports go
+            self.env[defaults.REPORT_DIR_ENV] = str(self.report_dir)
         self.child: Optional[Child] = None
         self._spawn = spawn
         self._clock = clock
@@ -247,10 +260,33 @@ class Supervisor:
         if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.child is not None:
+            self._capture_stacks(reason)
             pid, code = self.child.pid, self.child.stop(self.stop_grace_s)
             self.child = None
             self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
         return self._spawn_child()
+
+    def _capture_stacks(self, reason: str) -> None:
+        """SIGUSR1 to the child's processes (those with the shim's stacks
+        file), a short wait, a `wedged` report. Never raises."""
+        if not self.shim or self.child is None:
+            return
+        pids = [self.child.pid]
+        try:
+            pids += [p.pid for p in psutil.Process(self.child.pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+        path = reports.capture_stacks(
+            pids,
+            reason=reason,
+            directory=self.report_dir,
+            heartbeat_file=self.heartbeat_file,
+            wait_s=self.stacks_wait_s,
+            extra={"command": reports_argv(self.command)},
+        )
+        if path is not None:
+            self.last_report = str(path)
+            self.events.info("report", f"wrote {path}", kind="wedged")
 
     def _spawn_child(self) -> ActionResult:
         if self._stopping:
@@ -295,21 +331,41 @@ class Supervisor:
             previous[signal.SIGCHLD] = signal.signal(
                 signal.SIGCHLD, lambda signum, _: self._wakeup.wake()
             )
+        atexit.register(self._kill_child)  # even if the loop itself breaks
         try:
             self.start()
             while not self._stopping:
                 began = self._clock()
-                self.tick()
+                try:
+                    self.tick()
+                except Exception:  # a bug in one tick must not end supervision
+                    self.events.exception("tick-error", "a tick failed; supervising goes on")
                 # While waiting to respawn, look again soon: the backoff may be short.
                 interval = self.interval_s if self.child is not None else min(self.interval_s, 1.0)
                 if not self._stopping:
                     self._wakeup.sleep(interval - (self._clock() - began))
         finally:
-            self.shutdown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self._wakeup.close()
+            try:
+                self.shutdown()
+            finally:
+                self._kill_child()
+                atexit.unregister(self._kill_child)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+                self._wakeup.close()
         return 0
+
+    def _kill_child(self) -> None:
+        """The last resort: SIGKILL whatever is left of the child's group."""
+        child = self.child
+        if child is not None and child.poll() is None:
+            child.signal_group(signal.SIGKILL)
+            try:
+                child.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if child is not None:
+            child.signal_group(signal.SIGKILL)  # stragglers in its group
 
     def shutdown(self) -> None:
         if self.monitor.state is not None:
@@ -322,3 +378,10 @@ class Supervisor:
         code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
         self.child = None
         self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
+
+
+def reports_argv(command: Sequence[str]) -> List[str]:
+    """The command for a report, with secret-looking flag values hidden."""
+    from .redact import redact_argv
+
+    return redact_argv(list(command))

@@ -13,11 +13,19 @@ Choices, and why (also written as comments into the units):
   wakes every 0.1 s, so a healthy server pings about every 30 s (the shim
   rate-limits to half the interval); 60 s without a ping means the loop is
   wedged, and systemd kills (SIGABRT) and restarts the server.
-- Restart=on-failure, RestartSec=5: exit 70 (the shim's "generation thread
-  died"), signals, watchdog and start time-outs restart; a clean exit does not.
-- StartLimitIntervalSec=600 + StartLimitBurst=5 in [Unit]: storm control.
-  More than 5 starts in 10 minutes (restarts by systemd or by the watchdog)
-  leave the unit failed instead of reloading the model forever.
+- Restart=on-failure: exit 70 (the shim's "generation thread died"),
+  signals, watchdog and start time-outs restart; a clean exit does not.
+- Never down for good: StartLimitIntervalSec=0 in [Unit] turns the start
+  limit off (a limit leaves the unit failed, with nothing to bring it back).
+  Storm control is RestartSec=5 between systemd's own restarts (a model load
+  takes longer than that anyway), and the watchdog's backoff (1 s doubling to
+  60 s) for its restarts. RestartSteps/RestartMaxDelaySec would grow
+  RestartSec, but only systemd 254+ knows them and older ones warn, so they
+  are left out. The watchdog answers start-limit-hit (a unit edited by hand)
+  with reset-failed and a retry.
+- TimeoutStopSec=30: SIGTERM, then SIGKILL after 30 s, the watchdog's stop
+  grace. SIGKILL of a process holding a large wired model on macOS has been
+  reported to leak the wired memory until reboot (jundot/omlx #2184).
 - The watchdog unit is Type=simple, Restart=always, and Wants=/After= the
   server, so `enable --now` starts both and the watchdog starts after the
   server is ready (or failed).
@@ -34,9 +42,8 @@ from .services import MARKER, Instance, watchdog_config_toml
 TIMEOUT_START_SEC = 600
 WATCHDOG_SEC = 60
 RESTART_SEC = 5
-TIMEOUT_STOP_SEC = 30
-START_LIMIT_INTERVAL_SEC = 600
-START_LIMIT_BURST = 5
+TIMEOUT_STOP_SEC = 30  # = defaults.STOP_GRACE_S
+START_LIMIT_INTERVAL_SEC = 0  # no start limit: never failed for good
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+\Z")
 
@@ -144,10 +151,8 @@ def server_unit(inst: Instance) -> str:
         # The model may be downloaded at start-up.
         lines += ["Wants=network-online.target", "After=network-online.target"]
     lines += [
-        "# Storm control: more than 5 starts in 10 minutes (by systemd or by the",
-        "# watchdog) leave the unit failed instead of reloading the model forever.",
+        "# Never failed for good: no start limit (the watchdog backs off its restarts).",
         f"StartLimitIntervalSec={START_LIMIT_INTERVAL_SEC}",
-        f"StartLimitBurst={START_LIMIT_BURST}",
         "",
         "[Service]",
         "# The shim in the server process sends READY=1 after the model load and",
@@ -176,7 +181,8 @@ def server_unit(inst: Instance) -> str:
         "# Exit 70 (generation thread died), signals and time-outs restart.",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}",
-        "# SIGTERM, then SIGKILL after this long.",
+        "# SIGTERM, then SIGKILL after this long: SIGKILL of a large wired model",
+        "# has been reported to leak its memory (jundot/omlx #2184).",
         f"TimeoutStopSec={TIMEOUT_STOP_SEC}",
         "",
         "[Install]",

@@ -9,25 +9,75 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Dict, List, Optional
 
+from . import defaults, reports
+
 from .act import (
+    ActionResult,
     CommandRestart,
     LaunchdRestart,
-    RestartPolicy,
     SignalRestart,
     SystemdRestart,
 )
 from .config import InstanceConfig, RestartConfig
-from .heartbeat import HeartbeatTracker
+from .heartbeat import HeartbeatTracker, read_heartbeat
 from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
 from .monitor import Monitor, RestartAction
+from .policy import RestartPolicy
 from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
 from .wakeup import Wakeup
+
+
+class StacksFirst:
+    """Before any restart of a live, wedged server (launchctl kickstart -k,
+    systemctl restart, a signal, a command): SIGUSR1 for its stacks, a short
+    wait, a `wedged` report; then the real action. The report never blocks
+    the restart."""
+
+    def __init__(self, action: RestartAction, instance: InstanceConfig,
+                 locator: Optional[ProcessLocator]):
+        self.action = action
+        self.instance = instance
+        self.locator = locator
+        self.report_dir = reports.report_dir(instance.report_dir)
+        self.last_report: Optional[str] = None
+
+    def __str__(self) -> str:
+        return str(self.action)
+
+    def _pids(self) -> List[int]:
+        pids: List[int] = []
+        if self.instance.heartbeat_file:
+            beat = read_heartbeat(self.instance.heartbeat_file)
+            if beat is not None:
+                pids.append(beat.pid)
+        if self.locator is not None:
+            try:
+                pid = self.locator.find().pid
+                if pid not in pids:
+                    pids.append(pid)
+            except Exception:  # noqa: BLE001 - no process to ask: no stacks
+                pass
+        return pids
+
+    def restart(self, reason: str) -> ActionResult:
+        try:
+            pids = self._pids()
+            if pids:
+                path = reports.capture_stacks(
+                    pids, reason=reason, directory=self.report_dir,
+                    heartbeat_file=self.instance.heartbeat_file,
+                    extra={"instance": self.instance.name})
+                self.last_report = str(path) if path else None
+        except Exception:  # noqa: BLE001 - evidence never blocks the restart
+            pass
+        return self.action.restart(reason)
 
 
 def build_action(spec: RestartConfig) -> Optional[RestartAction]:
@@ -37,7 +87,8 @@ def build_action(spec: RestartConfig) -> Optional[RestartAction]:
     if spec.type == "systemd":
         return SystemdRestart(spec.unit, spec.user, timeout=spec.timeout)
     if spec.type == "signal":
-        return SignalRestart(spec.pid, spec.pidfile, spec.match, spec.grace)
+        grace = defaults.STOP_GRACE_S if spec.grace is None else spec.grace
+        return SignalRestart(spec.pid, spec.pidfile, spec.match, grace)
     if spec.type == "command":
         return CommandRestart(list(spec.argv or ()), timeout=spec.timeout)
     return None
@@ -82,8 +133,10 @@ def build_monitor(
             boot_grace_s=instance.boot_grace,
             max_restarts=instance.max_restarts,
             window_s=instance.restart_window,
+            backoff_max_s=instance.backoff_max,
+            backoff_reset_s=instance.backoff_reset,
         ),
-        action=build_action(instance.restart),
+        action=_with_stacks(instance, locator),
         url=instance.url,
         heartbeat=HeartbeatTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
         process=CpuSampler(locator.find_cached) if locator else None,
@@ -91,6 +144,14 @@ def build_monitor(
         metrics=metrics,
         state=state,
     )
+
+
+def _with_stacks(instance: InstanceConfig, locator: Optional[ProcessLocator]):
+    spec = instance.restart
+    if spec.type == "signal" and spec.grace is None:
+        spec = replace(spec, grace=instance.stop_grace)
+    action = build_action(spec)
+    return None if action is None else StacksFirst(action, instance, locator)
 
 
 class Watcher:

@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 
-from .. import config, heartbeat, log
+from .. import config, heartbeat, log, reports
 
 NAME = "exit"
 TARGET = "mlx_lm.server"
@@ -67,6 +67,7 @@ class Lifeline:
         self.dead = False
         self.cause = None
         self.died_at = None
+        self.in_flight = None
 
     # -- bookkeeping, called from request threads --------------------------
     def watch_queue(self, q):
@@ -96,6 +97,7 @@ class Lifeline:
             self.cause = exc
             self.died_at = time.monotonic()
             queues = list(self._queues)
+            self.in_flight = reports.capture_in_flight(self._handlers)  # before the answers
         heartbeat.stop()  # before the wake-ups below, which are not progress
         for q in queues:  # wake every waiting client
             try:
@@ -122,6 +124,10 @@ class Lifeline:
             "generation thread died%s: %s: %s; exiting %d"
             % (where, exc.__class__.__name__, _one_line(exc), settings.exit_code)
         )
+        reports.write_report("died", exc=exc, extra={  # within the grace; never raises
+            "in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
+            "exit_code": settings.exit_code,
+            "during_startup": during_startup})
         with self._lock:
             while True:
                 left = deadline - time.monotonic()

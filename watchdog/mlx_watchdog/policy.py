@@ -1,0 +1,124 @@
+"""Policy: when a restart may happen. Boot grace, backoff, crash-loop state.
+
+Decisions only: the judge says *whether* a server needs a restart, this says
+*when*, and the actions (act.py) only restart. Pure: every method takes `now`
+(monotonic seconds), so tests drive it with numbers.
+
+Like Kubernetes' CrashLoopBackOff, but quicker to recover and never a reason
+to stop: a server that is down for good is the outage we exist to end.
+
+- Boot grace: after each start, failures do not count for `boot_grace_s` (or
+  until the first good probe, whichever comes first).
+- Backoff: the first restart of an episode is immediate; after n restarts in
+  a row the next waits `backoff_initial_s * 2**(n-1)`, at most
+  `backoff_max_s`, counted from when the restart was first wanted (the exit,
+  or the wedged verdict). Restarts are never paused longer than the cap.
+- Reset: the count goes back to zero only after the server stayed healthy
+  for `backoff_reset_s` after a good probe, not after one good probe.
+- Crash-looping: `max_restarts` or more restarts within `window_s`. It is a
+  state to show in logs, metrics and status; restarts go on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Optional
+
+from . import defaults
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    allowed: bool
+    crash_looping: bool = False
+    wait_s: float = 0.0
+    reason: str = ""
+
+
+class RestartPolicy:
+    def __init__(
+        self,
+        *,
+        boot_grace_s: float = defaults.BOOT_GRACE_S,
+        backoff_initial_s: float = defaults.BACKOFF_INITIAL_S,
+        backoff_max_s: float = defaults.BACKOFF_MAX_S,
+        backoff_reset_s: float = defaults.BACKOFF_RESET_S,
+        max_restarts: int = defaults.MAX_RESTARTS,
+        window_s: float = defaults.RESTART_WINDOW_S,
+    ):
+        if backoff_max_s < 0 or backoff_initial_s < 0:
+            raise ValueError("backoff times must not be negative")
+        self.boot_grace_s = boot_grace_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.backoff_reset_s = backoff_reset_s
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._grace_until: Optional[float] = None
+        self._restarts: Deque[float] = deque()  # within window_s, for the crash-loop state
+        self._in_a_row = 0  # restarts since the server last stayed healthy
+        self._healthy_since: Optional[float] = None  # first good probe since the last restart
+        self._wanted_since: Optional[float] = None  # a restart is wanted, since then
+
+    # -- what happened -------------------------------------------------------
+
+    def started(self, now: float) -> None:
+        """A server process (re)started now: its boot grace begins."""
+        self._grace_until = now + self.boot_grace_s
+        self._healthy_since = None
+
+    def healthy(self, now: float) -> None:
+        """A probe succeeded: the boot is over; a long enough healthy run
+        resets the backoff."""
+        self._grace_until = None
+        self._wanted_since = None
+        if self._healthy_since is None:
+            self._healthy_since = now
+        if now - self._healthy_since >= self.backoff_reset_s:
+            self._in_a_row = 0
+
+    def record_restart(self, now: float) -> None:
+        """A restart was attempted now (successful or not: both count)."""
+        self._restarts.append(now)
+        self._in_a_row += 1
+        self._wanted_since = None
+        self.started(now)
+
+    # -- questions -------------------------------------------------------------
+
+    def in_grace(self, now: float) -> bool:
+        return self._grace_until is not None and now < self._grace_until
+
+    @property
+    def restarts_in_a_row(self) -> int:
+        return self._in_a_row
+
+    def backoff_s(self) -> float:
+        """The wait before the next restart, counted from when it was wanted."""
+        if self._in_a_row == 0:
+            return 0.0
+        exponent = min(self._in_a_row - 1, 62)  # 2**62 s is forever; avoid overflow
+        return min(self.backoff_initial_s * 2**exponent, self.backoff_max_s)
+
+    def crash_looping(self, now: float) -> bool:
+        while self._restarts and self._restarts[0] <= now - self.window_s:
+            self._restarts.popleft()
+        return len(self._restarts) >= self.max_restarts
+
+    def check(self, now: float) -> RestartDecision:
+        """May we restart now? The first call of an episode starts its clock."""
+        if self._wanted_since is None:
+            self._wanted_since = now
+        looping = self.crash_looping(now)
+        loop_note = (
+            f"crash-looping: {len(self._restarts)} restarts in {self.window_s:g}s"
+            if looping else ""
+        )
+        wait = self._wanted_since + self.backoff_s() - now
+        if wait > 0:
+            reason = f"restart in {wait:.0f}s (backoff {self.backoff_s():g}s)"
+            if loop_note:
+                reason = f"{loop_note}; {reason}"
+            return RestartDecision(False, crash_looping=looping, wait_s=wait, reason=reason)
+        return RestartDecision(True, crash_looping=looping, reason=loop_note)

@@ -1,0 +1,291 @@
+"""Crash reports on the watchdog's side: stacks before a kill, and reading.
+
+The hotfix shim writes reports into its report dir (see
+sitecustomize/mlx_hotfix/reports.py; same directory rules here) and arms
+faulthandler so that SIGUSR1 dumps every thread's stack into
+``stacks-<pid>.txt`` there. Before the watchdog stops a wedged server it calls
+``capture_stacks``: SIGUSR1 (only to a pid whose stacks file exists: without
+the shim's handler SIGUSR1 would kill the process), a short wait, then a
+``wedged`` report with those stacks. The stop ladder is then SIGTERM, a grace
+(30 s by default), SIGKILL: a SIGKILLed process holding a large wired model on
+macOS has been reported to leak the wired memory until reboot, while SIGTERM
+released it (jundot/omlx #2184).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from . import __version__, defaults
+
+KEEP = 50
+SCHEMA = 1
+
+
+def report_dir(configured: "Optional[str | os.PathLike[str]]" = None) -> Path:
+    """Where reports live: configured, $MLX_HOTFIX_REPORT_DIR, or the default."""
+    configured = configured or os.environ.get(defaults.REPORT_DIR_ENV, "").strip()
+    if configured:
+        return Path(os.path.expanduser(os.fspath(configured)))
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Logs" / "mlx-watchdog" / "reports"
+    state = os.environ.get("XDG_STATE_HOME", "").strip() or os.path.expanduser("~/.local/state")
+    return Path(state) / "mlx-watchdog" / "reports"
+
+
+def stacks_file(directory: Path, pid: int) -> Path:
+    return directory / f"stacks-{pid}.txt"
+
+
+def report_name(kind: str, pid: int, when: float) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    return "%s-%03d-%s-%d.json" % (stamp, int((when % 1) * 1000), kind, pid)
+
+
+def write_report(directory: Path, report: Dict[str, Any], keep: int = KEEP) -> Optional[Path]:
+    """Write report whole (mkstemp + os.replace), mode 0600; prune. None on failure."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        name = report_name(report["kind"], int(report.get("pid") or 0), report["time"])
+        fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump(report, handle, indent=1, sort_keys=True, default=repr)
+                handle.write("\n")
+            os.chmod(temporary, 0o600)
+            os.replace(temporary, directory / name)
+        except BaseException:
+            with _quiet():
+                os.unlink(temporary)
+            raise
+        prune(directory, keep)
+        return directory / name
+    except OSError:
+        return None
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
+
+
+def prune(directory: Path, keep: int = KEEP) -> None:
+    names = sorted(report_files(directory))
+    for path in names[:-keep] if keep else names:
+        with _quiet():
+            path.unlink()
+
+
+def report_files(directory: Path) -> List[Path]:
+    try:
+        return [p for p in directory.iterdir() if p.suffix == ".json" and not p.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def count_reports(directory: "Optional[str | os.PathLike[str]]" = None) -> int:
+    """How many reports the directory holds (for a metrics counter)."""
+    return len(report_files(report_dir(directory)))
+
+
+def _read_new(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def request_stacks(
+    pids: Iterable[int], directory: Path, wait_s: float = defaults.STACKS_WAIT_S
+) -> Dict[int, str]:
+    """SIGUSR1 each pid that has a stacks file; {pid: the stacks it wrote}."""
+    sent: Dict[int, int] = {}
+    for pid in pids:
+        path = stacks_file(directory, pid)
+        size = _size(path)
+        if size < 0:
+            continue  # no shim handler in that process: SIGUSR1 would kill it
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            sent[pid] = size
+        except OSError:
+            continue
+    stacks: Dict[int, str] = {}
+    deadline = time.monotonic() + wait_s
+    while sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for pid, size in list(sent.items()):
+            now_size = _size(stacks_file(directory, pid))
+            # faulthandler writes in one go from the signal handler; a size
+            # that stopped growing is the whole dump.
+            if now_size > size:
+                time.sleep(0.05)
+                if _size(stacks_file(directory, pid)) == now_size:
+                    stacks[pid] = _read_new(stacks_file(directory, pid), size)
+                    del sent[pid]
+    return stacks
+
+
+def capture_stacks(
+    pids: Iterable[int],
+    *,
+    reason: str,
+    directory: Optional[Path] = None,
+    kind: str = "wedged",
+    heartbeat_file: "Optional[str | os.PathLike[str]]" = None,
+    wait_s: float = defaults.STACKS_WAIT_S,
+    extra: Optional[Dict[str, Any]] = None,
+) -> Optional[Path]:
+    """Before a kill: ask for the stacks, write a `kind` report. Never raises."""
+    try:
+        directory = directory or report_dir()
+        pids = [p for p in pids if p]
+        stacks = request_stacks(pids, directory, wait_s)
+        report: Dict[str, Any] = {
+            "schema": SCHEMA,
+            "kind": kind,
+            "time": time.time(),
+            "pid": pids[0] if pids else None,
+            "source": "watchdog",
+            "reason": reason,
+            "stacks_text": "\n".join(stacks.values()) or None,
+            "stacks_from": sorted(stacks),
+            "versions": {
+                "mlx_watchdog": __version__,
+                "python": platform.python_version(),
+                "os": platform.platform(),
+            },
+            "in_flight": None,
+            "exit_code": None,
+        }
+        if not stacks:
+            report["note"] = "no stacks: the process has no shim stacks file or did not answer"
+        if heartbeat_file is not None:
+            with _quiet():
+                with open(heartbeat_file) as handle:
+                    beat = json.loads(handle.read(8192))
+                report["heartbeat"] = beat
+                if isinstance(beat, dict) and "in_flight" in beat:
+                    report["in_flight"] = beat["in_flight"]
+        report.update(extra or {})
+        return write_report(directory, report)
+    except Exception:  # noqa: BLE001 - evidence must never block the restart
+        return None
+
+
+# -- reading -----------------------------------------------------------------
+
+
+def load_reports(directory: Path) -> List[Dict[str, Any]]:
+    """Every readable report, newest first; each gets "id" (its file stem)."""
+    out = []
+    for path in report_files(directory):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            data["id"] = path.stem
+            data.setdefault("time", path.stat().st_mtime)
+            out.append(data)
+    out.sort(key=lambda r: (r.get("time") or 0, r["id"]), reverse=True)
+    return out
+
+
+def find_report(directory: Path, wanted: str) -> Optional[Dict[str, Any]]:
+    """By id, unique id prefix, or 1-based index in the newest-first list."""
+    reports = load_reports(directory)
+    if wanted.isdigit() and 0 < int(wanted) <= len(reports) and len(wanted) < 6:
+        return reports[int(wanted) - 1]
+    exact = [r for r in reports if r["id"] == wanted or r["id"] + ".json" == wanted]
+    if exact:
+        return exact[0]
+    prefixed = [r for r in reports if r["id"].startswith(wanted)]
+    return prefixed[0] if len(prefixed) == 1 else None
+
+
+def summary(report: Dict[str, Any]) -> str:
+    exc = report.get("exception") or {}
+    if exc:
+        text = f"{exc.get('type', '').rsplit('.', 1)[-1]}: {exc.get('message', '')}"
+    else:
+        text = report.get("reason") or ""
+    line = " ".join(str(text).split())
+    return line[:100] + ("..." if len(line) > 100 else "")
+
+
+def format_table(reports: List[Dict[str, Any]]) -> str:
+    if not reports:
+        return "no reports"
+    rows = [("#", "ID", "TIME", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
+    for i, r in enumerate(reports, 1):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time") or 0))
+        versions = r.get("versions") or {}
+        rows.append((str(i), r["id"], when, str(r.get("kind")), str(r.get("pid")),
+                     str(versions.get("mlx_lm", "-")),
+                     "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r)))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
+        for row in rows
+    )
+
+
+def format_markdown(report: Dict[str, Any]) -> str:
+    """A summary to paste into an upstream issue: no prompts, no keys."""
+    versions = report.get("versions") or {}
+    exc = report.get("exception") or {}
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.get("time") or 0))
+    lines = [
+        f"### mlx_lm.server: {report.get('kind')} ({summary(report) or 'no exception'})",
+        "",
+        f"- mlx-lm {versions.get('mlx_lm', '?')}, mlx {versions.get('mlx', '?')}, "
+        f"Python {versions.get('python', '?')}, {versions.get('os', '?')}",
+        f"- when: {when}; uptime {report.get('uptime_s', '?')} s; exit code "
+        f"{report.get('exit_code')}",
+        f"- requests in flight: {report.get('in_flight')}",
+    ]
+    for shape in report.get("in_flight_requests") or []:
+        fields = ", ".join(f"{k}={v}" for k, v in sorted(shape.items()) if k != "path")
+        lines.append(f"  - {fields}")
+    memory = report.get("memory") or {}
+    if memory:
+        lines.append("- memory: " + ", ".join(
+            f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(memory.items())
+            if isinstance(v, (int, float))))
+    if report.get("argv"):
+        lines.append("- server arguments: `" + " ".join(report["argv"]) + "`")
+    if report.get("status"):
+        lines.append(f"- hotfix shim: {report['status']}")
+    if exc.get("traceback"):
+        lines += ["", "<details><summary>Traceback</summary>", "", "```",
+                  exc["traceback"].rstrip(), "```", "</details>"]
+    stacks = report.get("stacks_text") or report.get("fatal_stacks")
+    if not stacks and report.get("stacks"):
+        stacks = "\n".join(f"Thread {s.get('thread')}:\n{s.get('stack', '')}"
+                           for s in report["stacks"])
+    if stacks:
+        lines += ["", "<details><summary>All threads</summary>", "", "```",
+                  stacks.rstrip(), "```", "</details>"]
+    lines += ["", f"_Report {report.get('id')} written by mlx-watchdog._"]
+    return "\n".join(lines) + "\n"
