@@ -177,3 +177,47 @@ def test_an_unwritable_heartbeat_is_said_once(tmp_path, how):
     lines = [l for l in result.stderr.splitlines() if "cannot write the heartbeat" in l]
     assert len(lines) == 1, result.stderr
     assert str(beat_file) in lines[0]
+
+
+# -- item 3 (shim side): the server ends when its supervisor is gone ---------------
+
+INTERMEDIATE = textwrap.dedent("""
+    import os, subprocess, sys, time
+    env = dict(os.environ, MLX_HOTFIX_PARENT_PID=str(os.getpid()))
+    if sys.argv[1] == "off":
+        env.pop("MLX_HOTFIX_PARENT_PID")
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import mlx_lm, time; print('imported', flush=True); time.sleep(120)"],
+                             env=env, start_new_session=True)
+    print(child.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("watch", ["on", "off"])
+def test_the_shim_exits_when_its_supervisor_is_killed(tmp_path, watch):
+    """macOS has no PR_SET_PDEATHSIG: the shim watches MLX_HOTFIX_PARENT_PID.
+    (The supervisor here is a plain process that sets the variable and is
+    then SIGKILLed; "off" shows the orphan a supervisor leaves without it.)"""
+    import psutil
+    from tests.support.server import python_for
+
+    supervisor = subprocess.Popen([str(python_for("0.32.2")), "-c", INTERMEDIATE, watch],
+                                  env=base_env(), stdout=subprocess.PIPE, text=True)
+    child_pid = int(supervisor.stdout.readline())
+    child = psutil.Process(child_pid)
+    try:
+        assert supervisor.stdout.readline().strip() == "imported"  # the shim is active
+        supervisor.kill()
+        supervisor.wait()
+        try:
+            child.wait(timeout=15)
+            exited = True
+        except psutil.TimeoutExpired:
+            exited = False
+        assert exited == (watch == "on")
+    finally:
+        try:
+            os.killpg(child_pid, 9)
+        except OSError:
+            pass

@@ -7,6 +7,7 @@ MLX_HOTFIX_EXIT_CODE=70      exit status after the generation thread dies
 MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
+MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
 """
 
 import os
@@ -34,6 +35,10 @@ class Config:
         self.heartbeat_interval = self._number(
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
             lambda v: 0.05 <= v <= 3600, "a number of seconds from 0.05 to 3600",
+        )
+
+        self.parent_pid = self._number(
+            environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
         )
 
     def _parse_disable(self, raw):
