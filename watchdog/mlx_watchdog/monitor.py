@@ -47,6 +47,7 @@ class Monitor:
         url: str = "",
         heartbeat: Optional[HeartbeatTracker] = None,
         process: Optional[ProcessEvidence] = None,
+        listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
         events: Optional[Events] = None,
         metrics: Optional[Metrics] = None,
         state: Optional[StateStore] = None,
@@ -61,6 +62,8 @@ class Monitor:
         self.url = redact_url(url)
         self.heartbeat = heartbeat
         self.process = process
+        self.listener = listener  # listener.ListenerCheck: who holds the port
+        self._heartbeat_problem: Optional[str] = None
         self.events = events or Events(name)
         self.metrics = metrics
         self.state = state
@@ -85,6 +88,8 @@ class Monitor:
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
         beat = self.heartbeat.sample() if self.heartbeat else None
+        self._note_heartbeat_problem()
+        port_held_by = self.listener(probe) if self.listener else None
         now = self.clock()
         verdict = self.judge.observe(
             Evidence(
@@ -95,6 +100,7 @@ class Monitor:
                 cpu_s=sample.cpu_s,
                 wall_s=sample.wall_s,
                 heartbeat=beat,
+                port_held_by=port_held_by,
             )
         )
         if probe.ok:
@@ -172,6 +178,13 @@ class Monitor:
             "restarts": self.restarts,
             "last_restart": self._last_restart,
         }
+
+    def _note_heartbeat_problem(self) -> None:
+        """Say once (per change) why the heartbeat is unusable or ignored."""
+        problem = getattr(self.heartbeat, "problem", None)
+        if problem and problem != self._heartbeat_problem:
+            self.events.warning("heartbeat", problem)
+        self._heartbeat_problem = problem
 
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.

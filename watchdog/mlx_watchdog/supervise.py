@@ -31,6 +31,7 @@ from . import defaults
 from .act import ActionResult, RestartPolicy
 from .heartbeat import HeartbeatTracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
+from .listener import ListenerCheck
 from .log import Events
 from .metrics import Metrics
 from .monitor import Monitor, ProcessEvidence
@@ -248,8 +249,13 @@ class Supervisor:
             policy=policy or RestartPolicy(),
             action=self,
             url=url,
-            heartbeat=HeartbeatTracker(heartbeat_file) if heartbeat_file is not None else None,
+            heartbeat=(
+                HeartbeatTracker(heartbeat_file, owner=self.child_pid)
+                if heartbeat_file is not None else None
+            ),
             process=process if process is not None else _ChildCpu(self),
+            # Evidence must be our child's: is it the one listening on the URL?
+            listener=ListenerCheck(url, self.child_pid) if url else None,
             events=Events(name),
             metrics=metrics,
             state=state,
@@ -257,6 +263,11 @@ class Supervisor:
             wall_clock=wall_clock,
         )
         self.events = self.monitor.events
+
+    def child_pid(self) -> Optional[int]:
+        """The pid of the running child, for evidence that must be its own."""
+        child = self.child
+        return child.pid if child is not None else None
 
     # -- one iteration -----------------------------------------------------
 

@@ -84,7 +84,13 @@ def build_monitor(
         ),
         action=build_action(instance.restart),
         url=instance.url,
-        heartbeat=HeartbeatTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        heartbeat=(
+            HeartbeatTracker(
+                instance.heartbeat_file,
+                owner=(lambda: locator.find_cached().pid) if locator else None,
+            )
+            if instance.heartbeat_file else None
+        ),
         process=CpuSampler(locator.find_cached) if locator else None,
         events=Events(instance.name),
         metrics=metrics,
