@@ -221,3 +221,45 @@ def test_the_shim_exits_when_its_supervisor_is_killed(tmp_path, watch):
             os.killpg(child_pid, 9)
         except OSError:
             pass
+
+
+# -- item 15: MLX_HOTFIX_EXIT_GRACE=0 never cuts a client off -------------------------
+
+
+def test_exit_grace_below_the_floor_is_raised_with_a_warning(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", "from mlx_hotfix import config, log\n"
+         "c = config.current()\n[log.say(w) for w in c.warnings]\nprint(c.exit_grace)"],
+        env=base_env(extra={"MLX_HOTFIX_EXIT_GRACE": "0"}), capture_output=True, text=True,
+        timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) == 1.0
+    assert "MLX_HOTFIX_EXIT_GRACE=0 is below" in result.stderr
+
+
+@pytest.mark.server
+def test_exit_grace_zero_still_answers_every_stream(servers, tiny_llama, tmp_path):
+    from tests.conftest import fault_env
+    from tests.support.server import BackgroundRequest, sse_events
+
+    arm = tmp_path / "arm"
+    env = fault_env("raise:typeerror:decode:2", arm)
+    env["MLX_HOTFIX_EXIT_GRACE"] = "0"
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.warm_up()
+    arm.touch()
+    streams = [
+        BackgroundRequest(lambda i=i: server.chat("story %d " % i * 20, max_tokens=200,
+                                                  stream=True, timeout=60), name="s%d" % i)
+        for i in range(16)
+    ]
+    assert server.wait_exit(60) == 70, server.log()
+    for stream in streams:
+        assert stream.join(70), stream
+        assert stream.error is None, stream
+        events = sse_events(stream.body)
+        if stream.status == 200:
+            assert events and (events[-1] == "[DONE]" or (
+                isinstance(events[-1], dict) and "error" in events[-1])), (stream, events[-3:])
+        else:
+            assert stream.status == 503, stream
