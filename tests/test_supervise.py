@@ -106,6 +106,9 @@ class FakeChild:
     def signal_group(self, sig):
         self.signals.append(sig)
 
+    def end_group(self, grace_s):
+        self.signals.append("end-group")
+
 
 class FakeSpawner:
     def __init__(self):

@@ -31,4 +31,10 @@ def activate():
     from . import patches
 
     patches.register_all()
+    try:
+        from . import parent
+
+        parent.watch_parent()
+    except Exception:  # noqa: BLE001 - never break the import
+        log.debug_exception()
     return _finder

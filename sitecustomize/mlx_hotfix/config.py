@@ -5,8 +5,12 @@ MLX_HOTFIX_DISABLE=a,b       turn off the named parts: exit, extend, advance
 MLX_HOTFIX_DEBUG=1           verbose
 MLX_HOTFIX_EXIT_CODE=70      exit status after the generation thread dies
 MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
+                             (the exit goes as soon as all are answered; values
+                             below MIN_EXIT_GRACE are raised to it, so that 0
+                             never cuts a client off)
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
+MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
 """
 
 import os
@@ -15,6 +19,7 @@ PARTS = ("exit", "extend", "advance")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
+MIN_EXIT_GRACE = 1.0  # room for every waiting client to be answered under load
 
 
 class Config:
@@ -35,6 +40,18 @@ class Config:
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
             lambda v: 0.05 <= v <= 3600, "a number of seconds from 0.05 to 3600",
         )
+
+        self.parent_pid = self._number(
+            environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
+        )
+
+        if self.exit_grace < MIN_EXIT_GRACE:
+            self.warnings.append(
+                "MLX_HOTFIX_EXIT_GRACE=%g is below the %g s needed to answer every waiting "
+                "client; using %g (the exit still goes as soon as all are answered)"
+                % (self.exit_grace, MIN_EXIT_GRACE, MIN_EXIT_GRACE)
+            )
+            self.exit_grace = MIN_EXIT_GRACE
 
     def _parse_disable(self, raw):
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]

@@ -50,15 +50,94 @@ def _write(phase):
     path = config.current().heartbeat_file
     if not path or _stopped:
         return
+    if phase == "serving" and not listening():
+        phase = "loading"  # a loop without a listener serves nobody
     record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
-    temporary = "%s.%d.tmp" % (path, os.getpid())
     with _write_lock:
         try:
-            with open(temporary, "w") as handle:
-                handle.write(json.dumps(record) + "\n")
-            os.replace(temporary, path)
+            write_atomically(path, json.dumps(record) + "\n")
+        except OSError as exc:
+            _warn_unwritable(path, exc)  # a full disk must not kill the loop
+
+
+def write_atomically(path, text):
+    """Replace path with text through a fresh temp file in its directory.
+
+    mkstemp creates the temp file with O_EXCL and a random name, so a name
+    planted by another user (a symlink to the owner's file) is never
+    followed; os.replace then swaps the name itself, never a link's target.
+    """
+    import tempfile  # lazily: the drop-in imports only os and sys up front
+
+    directory, name = os.path.split(os.path.abspath(path))
+    descriptor, temporary = tempfile.mkstemp(prefix="." + name + ".", suffix=".tmp",
+                                             dir=directory)
+    try:
+        try:
+            os.fchmod(descriptor, 0o644)  # readable by a watchdog of another user
         except OSError:
-            pass  # a full disk must not kill the loop
+            pass
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+
+
+_warned_unwritable = False
+
+
+def _warn_unwritable(path, exc):
+    """Say once that the heartbeat cannot be written: a silent stale file
+    would read as a hung loop to a watchdog."""
+    global _warned_unwritable
+    if _warned_unwritable:
+        return
+    _warned_unwritable = True
+    from . import log
+
+    log.say(
+        "cannot write the heartbeat file %s (%s); watchdogs will not see this server's "
+        "progress (said once)" % (path, getattr(exc, "strerror", None) or exc)
+    )
+
+
+# -- the listener: "serving" needs a bound listener as well as a running loop --
+
+_listener_hooked = False  # a patch watches the server's listener
+_listener_bound = False
+
+
+def watch_listener():
+    """A patch will call listener_bound() once the server listens. Until it
+    does, READY=1 and phase "serving" wait for it (a process whose bind
+    failed serves nobody). Without such a patch, the loop alone decides."""
+    global _listener_hooked
+    _listener_hooked = True
+
+
+def listener_bound():
+    """The server's HTTP listener is bound and listening."""
+    global _listener_bound
+    if _listener_bound:
+        return
+    _listener_bound = True
+    if _loop_running and not _stopped:
+        _announce_ready()
+
+
+def listening():
+    return _listener_bound or not _listener_hooked
+
+
+def _announce_ready():
+    notifier = _systemd()
+    if notifier is not None:
+        notifier.ready("serving")
 
 
 def generation_thread_started(generator):
@@ -118,7 +197,7 @@ def loop_iteration():
     notifier = notifier or None
     if not _loop_running:
         _loop_running = True
-        if notifier is not None:
+        if notifier is not None and listening():
             notifier.ready("serving")
     if notifier is not None:
         notifier.watchdog_ping()  # rate-limited inside

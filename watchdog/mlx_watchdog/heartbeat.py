@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -47,9 +48,7 @@ class HeartbeatReading:
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
     """The heartbeat in path, or None if the file is missing, partial or garbage."""
     try:
-        # Not a link nor a FIFO: the folder may belong to the server's user.
-        with os.fdopen(open_regular(path), "rb") as handle:
-            data = json.loads(handle.read(_MAX_BYTES))
+        data = json.loads(_read_regular_file(path))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
@@ -60,6 +59,62 @@ def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
     if not (_is_int(stamp) or isinstance(stamp, float)):
         return None
     return Heartbeat(pid=pid, beats=beats, time=float(stamp), phase=phase)
+
+
+def _read_regular_file(path: "str | os.PathLike[str]") -> bytes:
+    # Not a link nor a FIFO (safefile: O_NOFOLLOW, O_NONBLOCK): the folder may
+    # belong to the server's user, and a FIFO must not block the watchdog.
+    with os.fdopen(open_regular(path), "rb") as handle:
+        return handle.read(_MAX_BYTES)
+
+
+def path_problem(path: "str | os.PathLike[str]") -> Optional[str]:
+    """Why the shim could not write, or we could not read, a heartbeat at path
+    (None when the path is usable; a file not written yet is fine)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"heartbeat file {path}: its directory {directory} does not exist"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"heartbeat file {path}: {exc.strerror or exc}"
+    if not stat.S_ISREG(mode):
+        return f"heartbeat file {path} is not a regular file"
+    if not os.access(path, os.R_OK):
+        return f"heartbeat file {path} cannot be read"
+    return None
+
+
+def not_from(beat: Heartbeat, root_pid: int) -> Optional[str]:
+    """Why beat is no evidence about the process root_pid (None: it is).
+
+    It must come from that process or one of its descendants (a server run
+    through a wrapper), and be newer than the writer's start: a file from
+    another process, or from before a reused pid started, says nothing.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        writer = psutil.Process(beat.pid)
+        started = writer.create_time()
+        lineage = {beat.pid} | {p.pid for p in writer.parents()}
+    except psutil.NoSuchProcess:
+        if beat.pid == root_pid:
+            return None  # the judged process itself: whether it runs is other evidence
+        return f"heartbeat from pid {beat.pid}, which is not running (the server is pid {root_pid})"
+    except psutil.Error:
+        return None  # cannot look: do not discard
+    if root_pid not in lineage:
+        return f"heartbeat from pid {beat.pid}, not the server (pid {root_pid}) or its child"
+    if beat.time < started - 1.0:
+        return (f"heartbeat written {started - beat.time:.0f}s before its process "
+                f"(pid {beat.pid}) started")
+    return None
 
 
 def _is_int(value: object) -> bool:
@@ -85,8 +140,11 @@ class HeartbeatTracker:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         read: Callable[..., Optional[Heartbeat]] = read_heartbeat,
+        owner: Optional[Callable[[], Optional[int]]] = None,
     ):
         self.path = path
+        self._owner = owner  # the judged process's pid, for not_from()
+        self.problem: Optional[str] = None  # why the last beat was not used, if not
         self._clock = clock
         self._monotonic = monotonic
         self._read = read
@@ -97,6 +155,7 @@ class HeartbeatTracker:
         now = self._monotonic()
         last, read_before = self._last, self._read_at
         self._read_at = now
+        beat, self.problem = self._judged(beat)
         if beat is None:
             return None
         self._last = beat
@@ -113,6 +172,21 @@ class HeartbeatTracker:
             beats=beat.beats,
             pid=beat.pid,
         )
+
+    def _judged(self, beat: Optional[Heartbeat]):
+        """(beat, None) when it is evidence about the judged process, else (None, why)."""
+        if beat is None:
+            return None, path_problem(self.path)
+        if self._owner is None:
+            return beat, None
+        try:
+            root = self._owner()
+        except Exception as exc:  # noqa: BLE001 - e.g. ProcessNotFound
+            return None, f"heartbeat ignored: {exc}"
+        if root is None:
+            return beat, None
+        why = not_from(beat, root)
+        return (beat, None) if why is None else (None, f"{why}; ignored")
 
     def reset(self) -> None:
         """Forget the previous reading (the server was restarted)."""

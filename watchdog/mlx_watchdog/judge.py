@@ -76,6 +76,7 @@ NO_PROGRESS = "no-progress"
 BAD_ANSWER = "bad-answer"
 BUSY_TOO_LONG = "busy-too-long"
 EXITED = "exited"  # used by the supervisor when its child exits
+PORT_TAKEN = "port-taken"  # another process holds the server's port
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Evidence:
     wall_s: Optional[float] = None  # ...over this many seconds
     heartbeat: Optional[HeartbeatReading] = None
     process_problem: Optional[str] = None  # why process_alive is None (e.g. ambiguous)
+    port_held_by: Optional[str] = None  # another process holds the port (listener.py)
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class Judge:
 
     def observe(self, evidence: Evidence) -> Verdict:
         probe = evidence.probe
+        if evidence.port_held_by:
+            return self._port_taken(evidence)
         if probe.ok:
             self.reset()
             return Verdict(HEALTHY, f"{probe.tokens} token(s) in {probe.latency_s:.2f}s")
@@ -177,6 +181,18 @@ class Judge:
             return self._busy(evidence, f"{probe.reason}; {missing}")
         self._stalled += 1
         return self._count(FAILING, WEDGED, self._stalled, probe.reason, BAD_ANSWER)
+
+    def _port_taken(self, evidence: Evidence) -> Verdict:
+        # The probe reached someone else: its answer, good or bad, is no
+        # evidence about our server, which is not listening. Not healthy,
+        # not busy: down.
+        reason = str(evidence.port_held_by)
+        if evidence.booting:
+            return Verdict(DOWN, f"boot grace: {reason}")
+        self._failures += 1
+        if self._failing_since is None:
+            self._failing_since = evidence.now
+        return self._count(DOWN, DOWN, self._failures, reason, PORT_TAKEN)
 
     def _count(self, state: str, final: str, count: int, reason: str, cause: str) -> Verdict:
         needed = self.config.failures

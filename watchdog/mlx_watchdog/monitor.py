@@ -48,6 +48,7 @@ class Monitor:
         url: str = "",
         heartbeat: Optional[HeartbeatTracker] = None,
         process: Optional[ProcessEvidence] = None,
+        listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
         events: Optional[Events] = None,
         metrics: Optional[Metrics] = None,
         state: Optional[StateStore] = None,
@@ -62,6 +63,8 @@ class Monitor:
         self.url = redact_url(url)
         self.heartbeat = heartbeat
         self.process = process
+        self.listener = listener  # listener.ListenerCheck: who holds the port
+        self._heartbeat_problem: Optional[str] = None
         self.events = events or Events(name)
         self.metrics = metrics
         self.state = state
@@ -87,6 +90,8 @@ class Monitor:
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
         beat = self.heartbeat.sample() if self.heartbeat else None
+        self._note_heartbeat_problem()
+        port_held_by = self.listener(probe) if self.listener else None
         now = self.clock()
         verdict = self.judge.observe(
             Evidence(
@@ -98,6 +103,7 @@ class Monitor:
                 wall_s=sample.wall_s,
                 heartbeat=beat,
                 process_problem=sample.problem,
+                port_held_by=port_held_by,
             )
         )
         if sample.problem != self._process_problem:  # say it once, not every tick
@@ -185,6 +191,13 @@ class Monitor:
             "restarts": self.restarts,
             "last_restart": self._last_restart,
         }
+
+    def _note_heartbeat_problem(self) -> None:
+        """Say once (per change) why the heartbeat is unusable or ignored."""
+        problem = getattr(self.heartbeat, "problem", None)
+        if problem and problem != self._heartbeat_problem:
+            self.events.warning("heartbeat", problem)
+        self._heartbeat_problem = problem
 
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.

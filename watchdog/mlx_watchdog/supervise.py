@@ -8,9 +8,15 @@ and, when wedged, restart it (SIGTERM and SIGCONT to the group, SIGKILL after
 a grace). Backoff applies to both (policy.py); it never stops restarting.
 Before a wedged child is stopped, SIGUSR1 asks the shim for every thread's
 stack and a `wedged` report keeps them (reports.py). SIGTERM or SIGINT is
-passed on to the child, then the supervisor exits 0. A tick that raises is
-logged with its traceback and the loop goes on; however the supervisor ends
-(signal, exception, crash of the loop), its child goes with it.
+passed on to the child, then the supervisor exits 0; SIGHUP (a closed
+terminal) and SIGQUIT stop it the same way, with SIGTERM to the child. A tick
+that raises is logged with its traceback and the loop goes on.
+
+The child never outlives its supervisor: however the supervisor ends (signal,
+exception, crash of the loop) its child goes with it; on Linux it gets SIGTERM
+when the supervisor dies, even by SIGKILL (PR_SET_PDEATHSIG); elsewhere the
+shim in it watches MLX_HOTFIX_PARENT_PID and exits when the supervisor is
+gone. A child that exits takes its process group with it (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -31,6 +38,7 @@ from .act import ActionResult
 from .policy import RestartPolicy
 from .heartbeat import HeartbeatTracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
+from .listener import ListenerCheck
 from .log import Events
 from .metrics import Metrics
 from .monitor import Monitor, ProcessEvidence
@@ -125,6 +133,22 @@ class Child:
         finally:
             self.signal_group(signal.SIGKILL)  # anything left in the group
 
+    def end_group(self, grace_s: float) -> None:
+        """The leader has exited: end what is left of its group (grandchildren).
+        SIGTERM, SIGKILL after grace_s."""
+        self.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self._group_exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.signal_group(signal.SIGKILL)
+
+    def _group_exists(self) -> bool:
+        try:
+            os.killpg(self.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def signal_group(self, sig: int) -> None:
         """Send sig to the group. A stopped process (SIGSTOP, SIGTSTP) acts on a
         signal only once continued, so SIGCONT follows, as systemd does.
@@ -137,11 +161,53 @@ class Child:
             pass
 
 
+PARENT_PID_ENV = "MLX_HOTFIX_PARENT_PID"  # the shim exits when this process is gone
+
+
 def spawn(argv: List[str], env: Mapping[str, str]) -> Child:
     """Start argv in a new session (its own process group); OSError if it cannot run."""
     return Child(
-        subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, start_new_session=True)
+        subprocess.Popen(
+            argv,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=parent_death_signal(),
+        )
     )
+
+
+def parent_death_signal() -> Optional[Callable[[], None]]:
+    """On Linux, a preexec function that has the kernel send the child SIGTERM
+    when the supervisor dies, however it dies (SIGKILL, the OOM killer).
+
+    The kernel ties this to the thread that forked, so it is used only from
+    the main thread, which lives as long as the supervisor. The function is
+    looked up before the fork; the child then makes two system calls, no
+    imports and no locks, so it is safe to run between fork and exec.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                          ctypes.c_ulong]
+        prctl.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    supervisor = os.getpid()
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
+        if os.getppid() != supervisor:  # it died before the prctl took hold
+            os.kill(os.getpid(), sigterm)
+
+    return preexec
 
 
 class _ChildCpu:
@@ -197,6 +263,7 @@ class Supervisor:
         self.shim = shim
         if heartbeat_file is not None:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
+        self.env[PARENT_PID_ENV] = str(os.getpid())
         self.interval_s = interval_s
         self.stop_grace_s = stop_grace_s
         self.report_dir = reports.report_dir(report_dir)
@@ -220,8 +287,13 @@ class Supervisor:
             policy=policy or RestartPolicy(),
             action=self,
             url=url,
-            heartbeat=HeartbeatTracker(heartbeat_file) if heartbeat_file is not None else None,
+            heartbeat=(
+                HeartbeatTracker(heartbeat_file, owner=self.child_pid)
+                if heartbeat_file is not None else None
+            ),
             process=process if process is not None else _ChildCpu(self),
+            # Evidence must be our child's: is it the one listening on the URL?
+            listener=ListenerCheck(url, self.child_pid) if url else None,
             events=Events(name),
             metrics=metrics,
             state=state,
@@ -229,6 +301,11 @@ class Supervisor:
             wall_clock=wall_clock,
         )
         self.events = self.monitor.events
+
+    def child_pid(self) -> Optional[int]:
+        """The pid of the running child, for evidence that must be its own."""
+        child = self.child
+        return child.pid if child is not None else None
 
     # -- one iteration -----------------------------------------------------
 
@@ -246,6 +323,7 @@ class Supervisor:
             if code is not None:
                 self._exit = describe_exit(code, self.shim)
                 self.events.warning("exited", f"server {self._exit}", returncode=code)
+                self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
                 self.child = None
         if self.child is None:
             if self._stopping:
@@ -319,13 +397,24 @@ class Supervisor:
             child.signal_group(signum)
         self._wakeup.wake()
 
+    def _on_stop_signal(self, signum: int, _frame: object = None) -> None:
+        # A closed terminal (SIGHUP) or SIGQUIT stops us like SIGTERM; the
+        # child gets SIGTERM, not a signal that would dump its core.
+        self.request_stop(signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM)
+
     def run(self) -> int:
-        """Run until SIGTERM/SIGINT (or request_stop); returns the exit status, 0."""
-        handled = (signal.SIGTERM, signal.SIGINT)
+        """Run until SIGTERM/SIGINT/SIGHUP/SIGQUIT (or request_stop); returns 0."""
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
         previous = {}
+        previous_wakeup_fd = None
         if threading.current_thread() is threading.main_thread():
             for sig in handled:
-                previous[sig] = signal.signal(sig, lambda signum, _: self.request_stop(signum))
+                previous[sig] = signal.signal(sig, self._on_stop_signal)
+            # The C-level handler writes to the pipe at once, so the loop's
+            # select wakes even before the Python handler gets to run.
+            previous_wakeup_fd = signal.set_wakeup_fd(
+                self._wakeup.write_fd, warn_on_full_buffer=False
+            )
             # A child that exits (or stops) wakes the loop at once: it is
             # respawned now, not at the next probe, up to an interval later.
             previous[signal.SIGCHLD] = signal.signal(
@@ -350,6 +439,8 @@ class Supervisor:
             finally:
                 self._kill_child()
                 atexit.unregister(self._kill_child)
+                if previous_wakeup_fd is not None:
+                    signal.set_wakeup_fd(previous_wakeup_fd)
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
                 self._wakeup.close()

@@ -51,6 +51,11 @@ class Wakeup:
         except OSError:  # pipe full (a wake-up is pending anyway) or closed
             pass
 
+    @property
+    def write_fd(self) -> int:
+        """The pipe's write end, for signal.set_wakeup_fd."""
+        return self._write
+
     def close(self) -> None:
         if self._previous_wakeup_fd is not None:
             try:

@@ -138,7 +138,13 @@ def build_monitor(
         ),
         action=_with_stacks(instance, locator),
         url=instance.url,
-        heartbeat=HeartbeatTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        heartbeat=(
+            HeartbeatTracker(
+                instance.heartbeat_file,
+                owner=(lambda: locator.find_cached().pid) if locator else None,
+            )
+            if instance.heartbeat_file else None
+        ),
         process=CpuSampler(locator.find_cached) if locator else None,
         events=Events(instance.name),
         metrics=metrics,

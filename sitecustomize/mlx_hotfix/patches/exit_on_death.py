@@ -335,6 +335,79 @@ def _send_json(handler, status, body):
     handler.close_connection = True
 
 
+# -- the main thread leaving the server ----------------------------------------
+#
+# The server binds its port on the main thread after the generation thread
+# has started. When the bind fails (the port is taken) or serve_forever
+# raises, the exception leaves main(), and the interpreter then waits forever
+# for the non-daemon generation thread: a process that serves nobody, yet
+# beats and looks alive. sys.excepthook sees every exception that leaves the
+# main thread's code, whatever the launch form, so that is where we exit.
+
+_generation_threads = weakref.WeakSet()
+
+
+def _wrap_generator_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        thread = getattr(self, "_generation_thread", None)
+        if isinstance(thread, threading.Thread):
+            _generation_threads.add(thread)
+
+    return _wrap(original, __init__)
+
+
+def generation_thread_alive():
+    return any(thread.is_alive() for thread in list(_generation_threads))
+
+
+def _make_main_thread_excepthook(previous):
+    def excepthook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)  # the traceback, as the user would see it
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not generation_thread_alive():
+            return
+        code = config.current().exit_code
+        heartbeat.stop()
+        log.say(
+            "the server's main thread stopped (%s: %s) while the generation thread runs; "
+            "exiting %d" % (exc_type.__name__, _one_line(exc), code)
+        )
+        heartbeat.notify_stopping("the server stopped listening; exiting")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+    excepthook.__wrapped__ = previous
+    setattr(excepthook, _MARK, True)
+    return excepthook
+
+
+def _wrap_server_activate(original):
+    # HTTPServer binds in __init__ and then listens here: from now on the
+    # server can take clients, which "serving" and READY=1 need.
+    def server_activate(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _serves_mlx_lm(self):
+            heartbeat.listener_bound()
+        return result
+
+    return _wrap(original, server_activate)
+
+
+def _serves_mlx_lm(httpd):
+    """The listener's handler factory comes from mlx_lm's server.py (any launch form)."""
+    factory = getattr(httpd, "RequestHandlerClass", None)
+    code = getattr(factory, "__code__", None)
+    filename = getattr(code, "co_filename", None) or getattr(
+        sys.modules.get(getattr(factory, "__module__", None) or ""), "__file__", "")
+    return str(filename).replace(os.sep, "/").endswith("mlx_lm/server.py")
+
+
 # -- gate and apply ----------------------------------------------------------
 
 _RESPONSE_GENERATOR_METHODS = ("_generate", "generate", "_next_request")
@@ -381,6 +454,16 @@ def apply(server):
         replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
     if provider is not None and callable(getattr(provider, "load", None)):
         replacements.append((provider, "load", _wrap_model_load(provider.load)))
+    replacements.append((generator, "__init__", _wrap_generator_init(generator.__init__)))
+    if not getattr(sys.excepthook, _MARK, False):
+        replacements.append((sys, "excepthook", _make_main_thread_excepthook(sys.excepthook)))
+    listener = getattr(server, "ThreadingHTTPServer", None)
+    if isinstance(listener, type) and callable(getattr(listener, "server_activate", None)):
+        if not getattr(listener.server_activate, _MARK, False):
+            replacements.append(
+                (listener, "server_activate", _wrap_server_activate(listener.server_activate)))
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)
+    if any(name == "server_activate" for _, name, _ in replacements):
+        heartbeat.watch_listener()
