@@ -31,6 +31,7 @@ fresh server; twenty deaths with no growth; past the limit exits 70).
 
 import collections
 import queue
+import sys
 import threading
 import time
 
@@ -71,6 +72,7 @@ class Recovery:
         self._window = settings.recover_window
         self._times = collections.deque()  # monotonic times of recent recoveries
         self._keeper_done = None
+        self._worker = None
         self.recovered = 0
 
     # -- called by Lifeline._reap ----------------------------------------------
@@ -105,7 +107,11 @@ class Recovery:
     # -- the steps ---------------------------------------------------------------
     def _recover(self, generator, exc):
         dead = getattr(generator, "_generation_thread", None)
-        if dead is not None:
+        worker = self._worker
+        if worker is not None and dead is worker.thread:
+            if not worker.parked.wait(_JOIN_S):
+                raise RuntimeError("the dead generation loop did not finish")
+        elif dead is not None:
             dead.join(_JOIN_S)
             if dead.is_alive():
                 raise RuntimeError("the dead generation thread did not finish")
@@ -115,7 +121,7 @@ class Recovery:
         thread = self._start_loop(generator)
         deadline = time.monotonic() + _LOOP_START_S
         while not heartbeat.loop_running():
-            if not thread.is_alive():
+            if not thread.is_alive() or self._worker.parked.is_set():
                 raise RuntimeError("the fresh generation loop died at start")
             if time.monotonic() > deadline:
                 raise RuntimeError("the fresh generation loop did not start")
@@ -155,12 +161,12 @@ class Recovery:
         generator._stop = False
         if hasattr(generator, "_generation_failed"):
             generator._generation_failed = False  # 0.32.x
-        target = getattr(generator, "_run_generate", None) or generator._generate
-        thread = threading.Thread(target=target, name="mlx-hotfix-generation")
-        generator._generation_thread = thread
         heartbeat.resume()
-        thread.start()
-        return thread
+        if self._worker is None:
+            self._worker = _LoopWorker(generator)
+        generator._generation_thread = self._worker.thread
+        self._worker.run_once()
+        return self._worker.thread
 
     # -- heartbeat and systemd across the swap -------------------------------------
     def _start_stand_in(self):
@@ -181,6 +187,46 @@ class Recovery:
         if self._keeper_done is not None:
             self._keeper_done.set()
             self._keeper_done = None
+
+
+class _LoopWorker:
+    """The thread that runs every fresh generation loop, one after another.
+
+    One thread for all recoveries, not one each: mlx gives every thread that
+    computes its own default stream and worker thread, and never frees them.
+    """
+
+    def __init__(self, generator):
+        self._generator = generator
+        self._target = getattr(generator, "_run_generate", None) or generator._generate
+        self._go = threading.Event()
+        self.parked = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="mlx-hotfix-generation")
+        self._started = False
+
+    def run_once(self):
+        self.parked.clear()
+        self._go.set()
+        if not self._started:
+            self._started = True
+            self.thread.start()
+
+    def _run(self):
+        while True:
+            self._go.wait()
+            self._go.clear()
+            try:
+                self._target()
+            except BaseException:  # noqa: BLE001 - what stock 0.31.x leaves to the excepthook
+                kind, value, trace = sys.exc_info()
+                try:
+                    threading.excepthook(threading.ExceptHookArgs((kind, value, trace, self.thread)))
+                except Exception:  # noqa: BLE001
+                    pass
+                del kind, value, trace
+            if self._generator._stop:
+                return  # the server shuts down (stop_and_join)
+            self.parked.set()
 
 
 def _write_report(exc, number):
