@@ -107,10 +107,12 @@ def test_a_raising_user_sitecustomize_is_reported_and_start_goes_on(envs, tmp_pa
     assert result.stderr.count("boom") == 1
 
 
+_NEW_PARTS = "; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied"
 EXPECTED_STATUS = {
-    "0.31.3": "mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied",
+    "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied"
+               "%s" % _NEW_PARTS),
     "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: mlx-lm 0.32.2 has "
-               "the upstream fix (0.32.0); advance applied"),
+               "the upstream fix (0.32.0); advance applied" + _NEW_PARTS),
 }
 
 
@@ -135,9 +137,9 @@ def test_disable_list_and_unknown_names(envs):
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
-        "known names: exit, extend, advance",
+        "known names: exit, extend, advance, recover, disconnect",
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; extend applied; "
-        "advance disabled",
+        "advance disabled" + _NEW_PARTS,
     ]
 
 
@@ -170,11 +172,11 @@ def test_a_target_that_does_not_fit_is_skipped_and_the_server_still_loads(envs, 
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "loaded"
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
-    assert lines == [
-        "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; "
-        "exit skipped: APIHandler.handle_health_check is missing; extend applied; "
-        "advance skipped: ArraysCache.advance is no longer the lazy '-=' (fixed upstream?)"
-    ]
+    assert len(lines) == 1, lines
+    parts = lines[0].split("; ")
+    assert "exit skipped: APIHandler.handle_health_check is missing" in parts
+    assert "extend applied" in parts
+    assert "advance skipped: ArraysCache.advance is no longer the lazy '-=' (fixed upstream?)" in parts
 
 
 def test_hooks_fire_once_and_restore_the_loader(envs):

@@ -11,11 +11,14 @@ MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
 MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
+MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop in place
+MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
+MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
 """
 
 import os
 
-PARTS = ("exit", "extend", "advance")
+PARTS = ("exit", "extend", "advance", "recover", "disconnect")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
@@ -40,6 +43,26 @@ class Config:
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
             lambda v: 0.05 <= v <= 3600, "a number of seconds from 0.05 to 3600",
         )
+        self.recover_mode = self._choice(environ, "MLX_HOTFIX_RECOVER", "exit", ("exit", "thread"))
+        self.recover_limit = self._number(
+            environ, "MLX_HOTFIX_RECOVER_LIMIT", 3, int, lambda v: 1 <= v <= 1000,
+            "an integer from 1 to 1000",
+        )
+        self.recover_window = self._number(
+            environ, "MLX_HOTFIX_RECOVER_WINDOW", 600.0, float, lambda v: 0 < v <= 86400,
+            "a number of seconds from 0 to 86400",
+        )
+
+    def _choice(self, environ, key, default, choices):
+        raw = environ.get(key, "").strip().lower()
+        if not raw:
+            return default
+        if raw in choices:
+            return raw
+        self.warnings.append(
+            "%s=%r is not one of %s; using %r" % (key, raw, ", ".join(choices), default)
+        )
+        return default
 
         self.parent_pid = self._number(
             environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"

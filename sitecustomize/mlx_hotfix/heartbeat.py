@@ -224,3 +224,24 @@ def notify_stopping(text):
     if notifier is not None:
         notifier.status(text)
         notifier.stopping()
+
+
+def resume():
+    """The recover part swaps a dead loop for a fresh one: beat again.
+
+    Until the fresh loop's first pass (which sends READY=1 again), the
+    recover part calls ``stand_in()`` so the heartbeat and systemd keep going.
+    """
+    global _generation_ident, _loop_running, _stopped
+    _generation_ident = None  # the dead thread's late calls are not progress
+    _loop_running = False
+    _stopped = False
+
+
+def stand_in(text="recovering the generation loop"):
+    """One beat while no loop runs: phase "loading", systemd fed."""
+    _write("loading")
+    notifier = _systemd()
+    if notifier is not None:
+        notifier.status(text)
+        notifier.watchdog_ping()

@@ -14,9 +14,9 @@ A patch module defines:
 import sys
 
 from .. import _hooks, config, log
-from . import advance, exit_on_death, extend
+from . import advance, disconnect, exit_on_death, extend, recover
 
-PATCHES = (exit_on_death, extend, advance)
+PATCHES = (exit_on_death, extend, advance, recover, disconnect)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
@@ -92,6 +92,9 @@ def try_apply(patch, module):
         log.debug_exception()
         return False
     status[patch.NAME] = "applied"
+    describe = getattr(patch, "describe", None)  # a part with modes says which
+    if describe is not None:
+        status[patch.NAME] += " (%s)" % describe()
     log.debug("%s applied to %s (%s)" % (patch.NAME, patch.TARGET, patch.REASON))
     return True
 
@@ -115,6 +118,10 @@ def register_all():
     for patch in PATCHES:
         if not settings.enabled(patch.NAME):
             status[patch.NAME] = "disabled"
+            continue
+        off = getattr(patch, "opted_out", lambda: None)()  # an opt-in part not asked for
+        if off:
+            status[patch.NAME] = off
             continue
         _hooks.when_imported(patch.TARGET, lambda module, p=patch: try_apply(p, module))
     _hooks.when_imported(SERVER_MODULE, report_status)

@@ -68,6 +68,10 @@ class Lifeline:
         self.cause = None
         self.died_at = None
         self.in_flight = None
+        # The recover part's policy, when MLX_HOTFIX_RECOVER=thread (else None):
+        # plan(exc, during_startup) -> None to exit, or what it will do instead;
+        # recover(generator, exc) -> True once a fresh loop serves (patches/recover.py).
+        self.recovery = None
 
     # -- bookkeeping, called from request threads --------------------------
     def watch_queue(self, q):
@@ -120,14 +124,18 @@ class Lifeline:
         if thread is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
         where = " during start-up (model load)" if during_startup else ""
+        recovery = self.recovery
+        plan = recovery.plan(exc, during_startup) if recovery is not None else None
         log.say(
-            "generation thread died%s: %s: %s; exiting %d"
-            % (where, exc.__class__.__name__, _one_line(exc), settings.exit_code)
+            "generation thread died%s: %s: %s; %s"
+            % (where, exc.__class__.__name__, _one_line(exc),
+               plan or "exiting %d" % settings.exit_code)
         )
-        reports.write_report("died", exc=exc, extra={  # within the grace; never raises
-            "in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
-            "exit_code": settings.exit_code,
-            "during_startup": during_startup})
+        if plan is None:  # a recovery writes its own "recovered" report
+            reports.write_report("died", exc=exc, extra={  # within the grace; never raises
+                "in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
+                "exit_code": settings.exit_code,
+                "during_startup": during_startup})
         with self._lock:
             while True:
                 left = deadline - time.monotonic()
@@ -145,6 +153,8 @@ class Lifeline:
             unanswered = len(self._handlers)
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
+        if plan is not None and recovery.recover(generator, exc):
+            return
         heartbeat.notify_stopping("generation thread died; exiting")
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -152,6 +162,14 @@ class Lifeline:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(settings.exit_code)
+
+    def revive(self):
+        """A fresh generation loop serves again (the recover part): accept requests."""
+        with self._lock:
+            self._queues = weakref.WeakSet()  # the dead loop's, each holding a sentinel
+            self.cause = None
+            self.died_at = None
+            self.dead = False
 
 
 lifeline = Lifeline()

@@ -15,6 +15,15 @@ reported upstream, with their real messages).
 Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
 set, so a test can warm the server up first.
 
+MLX_TEST_FAULT_ONESHOT=1 makes a fault strike once per arming: it removes
+the arm file and starts counting afresh (a test arms it again for the next).
+
+Traces, independent of any fault:
+    MLX_TEST_TRACE_LOADS=1       one stderr line ``mlx-test-trace: model load``
+                                 per ModelProvider._load (a real load from disk)
+    MLX_TEST_DECODE_COUNT_FILE=P the number of GenerationBatch.next calls so far
+                                 (decode steps), rewritten on each call
+
 When a fault strikes it writes one line to stderr, just before it acts:
 ``mlx-test-fault: <action> at <where> t=<time.time()>`` (the wall-clock time,
 for benchmarks that measure from the moment of death).
@@ -77,6 +86,12 @@ def _inject(module, action, kind, where, after):
             if calls[0] > after:
                 sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
                 sys.stderr.flush()
+                if os.environ.get("MLX_TEST_FAULT_ONESHOT") == "1":
+                    calls[0] = 0
+                    try:
+                        os.remove(os.environ["MLX_TEST_FAULT_ARM_FILE"])
+                    except (KeyError, OSError):
+                        pass
                 if action == "raise":
                     error, message = _MESSAGES[kind]
                     raise error(message)
@@ -117,6 +132,40 @@ class _Finder:
         spec.loader = Loader()
         return spec
 
+
+def _trace_loads(server):
+    owner = server.ModelProvider
+    original = owner._load
+
+    def _load(*args, **kwargs):
+        sys.stderr.write("mlx-test-trace: model load\n")
+        sys.stderr.flush()
+        return original(*args, **kwargs)
+
+    owner._load = _load
+
+
+def _count_decode_steps(generate, path):
+    owner = generate.GenerationBatch
+    original = owner.next
+    steps = [0]
+
+    def next(*args, **kwargs):
+        steps[0] += 1
+        with open(path + ".tmp", "w") as handle:
+            handle.write(str(steps[0]))
+        os.replace(path + ".tmp", path)
+        return original(*args, **kwargs)
+
+    owner.next = next
+
+
+if os.environ.get("MLX_TEST_TRACE_LOADS") == "1":
+    sys.meta_path.insert(0, _Finder("mlx_lm.server", _trace_loads))
+if os.environ.get("MLX_TEST_DECODE_COUNT_FILE"):
+    sys.meta_path.insert(0, _Finder(
+        "mlx_lm.generate",
+        lambda m: _count_decode_steps(m, os.environ["MLX_TEST_DECODE_COUNT_FILE"])))
 
 if _SPEC:
     _action, _kind, _where, _after = _parse(_SPEC)

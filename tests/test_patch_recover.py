@@ -1,0 +1,137 @@
+"""recover (MLX_HOTFIX_RECOVER=thread): a death is answered as always, then a
+fresh generation loop serves in the same process with the model it already
+had. Real stock 0.31.3 and 0.32.2 servers, one-shot faults (tests/support/faults)
+armed per death; model loads traced by the fault injector."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import fault_env
+from tests.support.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
+from tests.support.server import VERSIONS
+
+pytestmark = pytest.mark.server
+
+LOAD_LINE = "mlx-test-trace: model load"
+PROMPT = "tell me about the sea"
+
+
+def _recover_env(arm, **extra):
+    env = fault_env("raise:typeerror:decode:2", arm)
+    env.update(MLX_HOTFIX_RECOVER="thread", MLX_TEST_FAULT_ONESHOT="1",
+               MLX_TEST_TRACE_LOADS="1")
+    env.update(extra)
+    return env
+
+
+def _content(response) -> str:
+    assert response.status_code == 200, (response.status_code, response.text)
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def _die_once(server, arm) -> None:
+    """Arm the fault; the next request dies (503) and the server comes back."""
+    arm.touch()
+    dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
+    assert dying.status_code == 503, (dying.status_code, dying.text, server.log()[-3000:])
+    assert "generation thread died" in dying.json()["error"]["message"]
+    deadline = time.monotonic() + 60
+    while server.health() != 200:
+        assert server.alive(), server.log()[-3000:]
+        assert time.monotonic() < deadline, "never healthy again:\n" + server.log()[-3000:]
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_next_request_after_a_death_is_served_in_place_without_a_load(
+        servers, tiny_llama, tmp_path, version):
+    arm = tmp_path / "arm"
+    server = servers(version, tiny_llama, env=_recover_env(arm))
+    server.warm_up()
+    lines = server.hotfix_lines()
+    assert "recover applied (mode thread, at most 3 in 600 s)" in lines[0], lines
+    fresh = _content(server.chat(PROMPT, max_tokens=24))  # a fresh server's greedy answer
+    pid = server.proc.pid
+
+    _die_once(server, arm)
+    after = server.chat(PROMPT, max_tokens=24)
+    assert _content(after) == fresh
+    assert server.alive() and server.proc.pid == pid
+    assert psutil.Process(pid).is_running()
+    log = server.log()
+    assert log.count(LOAD_LINE) == 1, log  # the start-up load only
+    assert any(l.endswith("recovering in place (1 of at most 3 in 600 s)")
+               for l in server.hotfix_lines()), server.hotfix_lines()
+    assert ("mlx-hotfix: recovered: a fresh generation loop serves (pid unchanged, model reused)"
+            in server.hotfix_lines())
+
+
+def _footprint(pid):
+    process = psutil.Process(pid)
+    return process.num_threads(), process.num_fds(), process.memory_info().rss
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_twenty_deaths_in_a_row_leave_no_growth_and_the_patches_in_force(
+        servers, tiny_llama, tmp_path, version):
+    arm = tmp_path / "arm"
+    # A window of 1 s with room for 5: twenty deaths span many windows.
+    server = servers(version, tiny_llama, args=EXTEND_CRASH_ARGS, env=_recover_env(
+        arm, MLX_HOTFIX_RECOVER_LIMIT="5", MLX_HOTFIX_RECOVER_WINDOW="1"))
+    warm_up_with_penalty(server)
+    fresh = _content(server.chat(PROMPT, max_tokens=24))
+    pid = server.proc.pid
+    for _ in range(2):  # the first recoveries settle allocator caches
+        _die_once(server, arm)
+        assert _content(server.chat(PROMPT, max_tokens=24)) == fresh
+    threads0, fds0, rss0 = _footprint(pid)
+    for _ in range(18):
+        _die_once(server, arm)
+        assert _content(server.chat(PROMPT, max_tokens=24)) == fresh
+    threads, fds, rss = _footprint(pid)
+    log = server.log()
+    assert log.count("mlx-hotfix: recovered:") == 20 and log.count(LOAD_LINE) == 1
+    assert server.proc.pid == pid and server.alive()
+    assert threads <= threads0 + 1, (threads0, threads)
+    assert fds <= fds0 + 2, (fds0, fds)
+    assert rss <= rss0 + 40 * 2**20, (rss0, rss)
+
+    # The extend patch (0.31.x; upstream-fixed in 0.32) still holds: the pair
+    # that kills stock 0.31.3 completes, and nothing dies.
+    a, b = send_extend_crash_pair(server, timeout=120)
+    assert a.join(130) and b.join(130)
+    assert (a.status, b.status) == (200, 200), (a, b)
+    assert server.log().count("mlx-hotfix: generation thread died") == 20
+    assert "advance applied" in server.hotfix_lines()[0]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_past_the_limit_the_process_exits_70(servers, tiny_llama, tmp_path, version):
+    arm = tmp_path / "arm"
+    server = servers(version, tiny_llama, env=_recover_env(arm, MLX_HOTFIX_RECOVER_LIMIT="1"))
+    server.warm_up()
+    _die_once(server, arm)
+    assert _content(server.chat(PROMPT, max_tokens=8))
+    arm.touch()
+    dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
+    assert dying.status_code == 503
+    assert server.wait_exit(60) == 70, server.log()[-3000:]
+    lines = server.hotfix_lines()
+    assert "mlx-hotfix: recovery limit reached (1 in 600 s)" in lines
+    assert lines[-1].endswith("; exiting 70"), lines
+
+
+def test_recover_is_off_by_default_and_says_so(servers, tiny_llama, tmp_path):
+    arm = tmp_path / "arm"
+    env = fault_env("raise:typeerror:decode:2", arm)
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.warm_up()
+    assert ("recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70)"
+            in server.hotfix_lines()[0]), server.hotfix_lines()
+    arm.touch()
+    assert server.chat(PROMPT, max_tokens=16).status_code == 503
+    assert server.wait_exit(60) == 70
