@@ -51,6 +51,7 @@ def _write(phase):
     if not path or _stopped:
         return
     record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
+    record.update(_identity())  # "rank", "host": which member of a group
     temporary = "%s.%d.tmp" % (path, os.getpid())
     with _write_lock:
         try:
@@ -59,6 +60,18 @@ def _write(phase):
             os.replace(temporary, path)
         except OSError:
             pass  # a full disk must not kill the loop
+
+
+_who = None
+
+
+def _identity():
+    global _who
+    if _who is None:
+        from .group import identity
+
+        _who = identity()
+    return _who
 
 
 def generation_thread_started(generator):

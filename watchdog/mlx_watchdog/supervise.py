@@ -22,7 +22,7 @@ import psutil
 
 from . import defaults
 from .act import ActionResult, RestartPolicy
-from .heartbeat import HeartbeatTracker
+from .group import clear_heartbeats, heartbeat_tracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
 from .log import Events
 from .metrics import Metrics
@@ -182,7 +182,8 @@ class Supervisor:
             policy=policy or RestartPolicy(),
             action=self,
             url=url,
-            heartbeat=HeartbeatTracker(heartbeat_file) if heartbeat_file is not None else None,
+            # Every rank's heartbeat, for an mlx.launch group (group.py).
+            heartbeat=heartbeat_tracker(heartbeat_file) if heartbeat_file is not None else None,
             process=process if process is not None else _ChildCpu(self),
             events=Events(name),
             metrics=metrics,
@@ -231,10 +232,8 @@ class Supervisor:
         if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.heartbeat_file is not None:
-            try:  # a heartbeat left by the previous child would look stale
-                os.unlink(self.heartbeat_file)
-            except OSError:
-                pass
+            # A heartbeat left by the previous child (any rank) would look stale.
+            clear_heartbeats(self.heartbeat_file)
         try:
             self.child = self._spawn(self.command, self.env)
         except OSError as exc:

@@ -19,7 +19,7 @@ from .act import (
     SystemdRestart,
 )
 from .config import InstanceConfig, RestartConfig
-from .heartbeat import HeartbeatTracker
+from .group import heartbeat_tracker
 from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
@@ -84,7 +84,8 @@ def build_monitor(
         ),
         action=build_action(instance.restart),
         url=instance.url,
-        heartbeat=HeartbeatTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        # Every rank's heartbeat when the server is an mlx.launch group (group.py).
+        heartbeat=heartbeat_tracker(instance.heartbeat_file) if instance.heartbeat_file else None,
         process=CpuSampler(locator.find_cached) if locator else None,
         events=Events(instance.name),
         metrics=metrics,
