@@ -280,10 +280,10 @@ FAKE_LAUNCHER = """
 import os, subprocess, sys, time
 # Like mlx.launch: two 'ranks' in our process group; when one fails, stop
 # the other, say so, and exit 0.
-mode = sys.argv[1]
+mode, pid_file = sys.argv[-2:]
 ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
          for _ in range(2)]
-open(sys.argv[2], "w").write(" ".join(str(r.pid) for r in ranks))
+open(pid_file, "w").write(" ".join(str(r.pid) for r in ranks))
 if mode == "rank-dies":
     time.sleep(0.5)
     ranks[1].kill(); ranks[0].terminate()

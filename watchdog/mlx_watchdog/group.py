@@ -559,11 +559,17 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    """A live (not zombie) process is left in the group. Zombies do not count:
+    they are dead, and an init that does not reap would keep them forever."""
+    import psutil
+
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return False
 
 
 # -- install launchd|systemd for a group ----------------------------------------------
