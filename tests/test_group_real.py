@@ -116,7 +116,7 @@ def test_each_local_rank_writes_its_own_heartbeat_naming_rank_and_host(watchdogs
                      *group_command("0.32.2", tiny_llama, port, ["-n", "2"])])
     wait_serving(url, LOAD_S, log=sup)
     ranks = [p for p in group_pids(sup.current_child())
-             if "mlx_lm" in " ".join(psutil.Process(p).cmdline())]
+             if "mlx.launch" not in " ".join(psutil.Process(p).cmdline())]
     files = set()
     for pid in ranks:
         environ = dict(line.split("=", 1) for line in
