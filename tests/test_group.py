@@ -306,17 +306,32 @@ def run_exec(tmp_path, mode):
     return proc, pids
 
 
+@pytest.fixture
+def reaper():
+    """Kill what a failed exec test leaves: exec, and the fake launcher's group."""
+    procs = []
+    yield procs.append
+    for proc in procs:
+        for child in psutil.Process(proc.pid).children(recursive=True) \
+                if psutil.pid_exists(proc.pid) else []:
+            child.kill()
+        proc.kill()
+        proc.wait(10)
+
+
 @pytest.mark.parametrize("mode,expected", [("rank-dies", 70), ("fails", 3)])
-def test_exec_turns_a_groups_end_into_a_failure(tmp_path, mode, expected):
+def test_exec_turns_a_groups_end_into_a_failure(tmp_path, mode, expected, reaper):
     proc, _ = run_exec(tmp_path, mode)
+    reaper(proc)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == expected, err
     if mode == "rank-dies":
         assert "mlx.launch exited 0" in err and "exiting 70" in err
 
 
-def test_exec_stops_the_whole_group_on_sigterm(tmp_path):
+def test_exec_stops_the_whole_group_on_sigterm(tmp_path, reaper):
     proc, pids = run_exec(tmp_path, "serve")
+    reaper(proc)
     deadline = time.monotonic() + 60
     while not (pids.exists() and pids.read_text()):
         assert time.monotonic() < deadline and proc.poll() is None
