@@ -38,7 +38,11 @@ class Config:
             environ, "MLX_HOTFIX_EXIT_GRACE", 1.0, float, lambda v: 0 <= v <= 60,
             "a number of seconds from 0 to 60",
         )
-        self.heartbeat_file = environ.get("MLX_HOTFIX_HEARTBEAT_FILE") or None
+        # In a distributed group rank N>0 writes <file>.rankN (see group.py).
+        from .group import heartbeat_path
+
+        self.heartbeat_file = heartbeat_path(environ.get("MLX_HOTFIX_HEARTBEAT_FILE") or None,
+                                             environ)
         self.heartbeat_interval = self._number(
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
             lambda v: 0.05 <= v <= 3600, "a number of seconds from 0.05 to 3600",

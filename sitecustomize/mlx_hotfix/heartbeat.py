@@ -53,6 +53,7 @@ def _write(phase):
     if phase == "serving" and not listening():
         phase = "loading"  # a loop without a listener serves nobody
     record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
+    record.update(_identity())  # "rank", "host": which member of a group
     with _write_lock:
         try:
             write_atomically(path, json.dumps(record) + "\n")
@@ -138,6 +139,18 @@ def _announce_ready():
     notifier = _systemd()
     if notifier is not None:
         notifier.ready("serving")
+
+
+_who = None
+
+
+def _identity():
+    global _who
+    if _who is None:
+        from .group import identity
+
+        _who = identity()
+    return _who
 
 
 def generation_thread_started(generator):

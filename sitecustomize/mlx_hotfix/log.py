@@ -12,9 +12,23 @@ from . import config
 PREFIX = "mlx-hotfix: "
 
 
+_who = None
+
+
+def _prefix():
+    # In a distributed group every rank writes to the same launcher output:
+    # name the rank and host ("mlx-hotfix: [rank 1 on studio-2] ...").
+    global _who
+    if _who is None:
+        from .group import describe, rank
+
+        _who = "[%s] " % describe() if rank() is not None else ""
+    return PREFIX + _who
+
+
 def say(message):
     try:
-        sys.stderr.write(PREFIX + message + "\n")
+        sys.stderr.write(_prefix() + message + "\n")
         sys.stderr.flush()
     except Exception:  # noqa: BLE001 - stderr may be closed; never fail for it
         pass

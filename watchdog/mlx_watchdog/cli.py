@@ -71,6 +71,19 @@ def exec_command(command: tuple) -> None:
     from .shim import with_shim
 
     env = with_shim()
+    from .group import GroupError, is_launch_command
+
+    if is_launch_command(command):
+        # A group cannot be exec'd: mlx.launch exits 0 after a rank dies (group.py).
+        from .group import prepare, run_group
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mlx-watchdog-") as private:
+            try:
+                group = prepare(command, env, private_dir=private)
+            except GroupError as exc:
+                raise click.UsageError(str(exc)) from None
+            sys.exit(run_group(group.argv, env))
     try:
         os.execvpe(command[0], list(command), env)
     except OSError as exc:

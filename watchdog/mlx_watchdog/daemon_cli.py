@@ -151,6 +151,12 @@ def _daemon_options(f: Callable) -> Callable:
     help="Do not put the hotfix shim on the child's PYTHONPATH (no clean exit on a dead "
     "generation thread, no heartbeat).",
 )
+@click.option(
+    "--remote-shim-path",
+    default=None,
+    help="mlx.launch groups: the hotfix shim folder on the remote hosts, passed to their "
+    "ranks with --env PYTHONPATH=. [default: the same path as here]",
+)
 @_model_option
 @_api_key_option
 @_cacert_option
@@ -172,6 +178,7 @@ def supervise_command(
     report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
+    remote_shim_path: Optional[str],
     model: str,
     api_key: Optional[str],
     cacert: Optional[str],
@@ -195,19 +202,23 @@ def supervise_command(
     from .supervise import Supervisor, SupervisorError, url_from_command
 
     setup_logging(log_format or defaults.LOG_FORMAT)
-    if url is None:
-        try:
-            url = url_from_command(command)
-        except ValueError as exc:
-            raise click.UsageError(f"{exc}; pass --url") from None
     try:
         env = dict(os.environ) if no_shim else with_shim()
     except FileNotFoundError as exc:
         raise click.ClickException(f"{exc} (run with --no-shim to go without it)") from None
-    metrics = _metrics(metrics_port, metrics_host)
-    state = StateStore(state_file or default_state_path())
-    name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
     with tempfile.TemporaryDirectory(prefix="mlx-watchdog-") as private:
+        # An mlx.launch group is supervised as one server (group.py).
+        group_command = _group_command(command, env, private, remote_shim_path, no_shim)
+        if group_command is not None:
+            command = tuple(group_command.argv)
+        if url is None:
+            try:
+                url = group_command.probe_url() if group_command else url_from_command(command)
+            except ValueError as exc:
+                raise click.UsageError(f"{exc}; pass --url") from None
+        metrics = _metrics(metrics_port, metrics_host)
+        state = StateStore(state_file or default_state_path())
+        name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
         supervisor = Supervisor(
             command,
             probe=Probe(url, timeout=probe_timeout, model=model, api_key=api_key, cacert=cacert),
@@ -303,6 +314,17 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
         click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
     else:
         click.echo(format_status(data))
+
+
+def _group_command(command, env, private, remote_shim_path, no_shim):
+    """The mlx.launch group command as it should run, or None for a lone server."""
+    from .group import GroupError, prepare
+
+    try:
+        return prepare(command, env, private_dir=private, remote_shim_path=remote_shim_path,
+                       shim=not no_shim)
+    except GroupError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _metrics(port: Optional[int], host: Optional[str]) -> Metrics:

@@ -85,11 +85,23 @@ def _flag_error(exc) -> click.BadParameter:
               help="systemd only: a system service in /etc/systemd/system (needs root).")
 @click.option("--user-name", default=None,
               help="systemd --system only: run the server as this user (User=).")
+@click.option("--hostfile", default=None,
+              help="A distributed group: mlx.launch's JSON hostfile (rank 0 first). Every "
+                   "host must be reachable by ssh without a prompt, or be this machine.")
+@click.option("--hosts", "group_hosts", default=None,
+              help="A distributed group: mlx.launch --hosts, comma-separated.")
+@click.option("--backend", default=None,
+              help="A distributed group: mlx.launch --backend (ring, jaccl, mpi...).")
+@click.option("--remote-shim-path", default=None,
+              help="A distributed group: the hotfix shim folder on the other hosts "
+                   "(default: the same path as --shim-dir).")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def install_command(manager: str, model: str, port: int, host: str, name: Optional[str],
                     python: Optional[str], watchdog_python: Optional[str],
                     shim_dir: Optional[str], offline: bool, output_dir: Optional[Path],
                     dry_run: bool, system: bool, user_name: Optional[str],
+                    hostfile: Optional[str], group_hosts: Optional[str],
+                    backend: Optional[str], remote_shim_path: Optional[str],
                     server_args: Tuple[str, ...]) -> None:
     from . import services as sv
 
@@ -100,6 +112,7 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
             output_dir=output_dir, dry_run=dry_run, system=system, user_name=user_name,
             server_args=server_args,
         )
+        plan.inst = _with_group(plan.inst, hostfile, group_hosts, backend, remote_shim_path)
     except sv.FlagError as exc:
         raise _flag_error(exc) from exc
     try:
@@ -247,6 +260,24 @@ def _prepare_install(*, manager, model, port, host, name, python, watchdog_pytho
                 else "--user units of root need root's user manager; did you mean --system?")
         click.echo(f"warning: running as root: {what}", err=True)
     return SimpleNamespace(inst=inst, existing=existing, live=live, dry_run=dry_run, uid=uid)
+
+
+def _with_group(inst, hostfile, hosts, backend, remote_shim_path):
+    """inst as a distributed group when --hostfile/--hosts is given (group.py)."""
+    import dataclasses
+
+    from . import services as sv
+    from .group import GroupError, install_options
+
+    try:
+        launch = install_options(python=inst.python, hostfile=hostfile, hosts=hosts,
+                                 backend=backend)
+    except GroupError as exc:
+        raise sv.FlagError("--hostfile" if hostfile else "--hosts", str(exc)) from exc
+    if launch is None:
+        return inst
+    return dataclasses.replace(inst, group_launch=launch,
+                               remote_shim_dir=remote_shim_path or inst.shim_dir)
 
 
 def _check_python_module(python: str, module: str, flag: str) -> None:

@@ -157,6 +157,10 @@ class Instance:
     user_name: Optional[str] = None  # systemd --system: User= of the server
     #: How to run `mlx-watchdog` (see watchdog_launcher); default: python -m.
     watchdog_launcher: Tuple[str, ...] = ()
+    #: A distributed group: mlx.launch and its options (group.install_options);
+    #: the server runs as `mlx-watchdog exec -- mlx.launch ... -- server`.
+    group_launch: Tuple[str, ...] = ()
+    remote_shim_dir: Optional[str] = None  # the shim folder on the group's other hosts
 
     # ---- derived paths ----
     @property
@@ -192,7 +196,13 @@ class Instance:
     def server_argv(self) -> List[str]:
         argv = [self.python, "-m", "mlx_lm", "server", "--model", self.model,
                 "--host", self.host, "--port", str(self.port)]
-        return argv + list(self.server_args)
+        argv += list(self.server_args)
+        if self.group_launch:
+            # exec: one group stopped as one, and a failure status after a
+            # rank's death (mlx.launch itself exits 0 then; see group.py).
+            launcher = self.watchdog_launcher or (self.watchdog_python, "-m", "mlx_watchdog.cli")
+            return [*launcher, "exec", "--", *self.group_launch, "--", *argv]
+        return argv
 
     def server_env(self) -> Dict[str, str]:
         env = {
@@ -203,6 +213,8 @@ class Instance:
         }
         if self.offline:
             env["HF_HUB_OFFLINE"] = "1"
+        if self.group_launch and self.remote_shim_dir:
+            env["MLX_WATCHDOG_REMOTE_SHIM"] = self.remote_shim_dir
         return env
 
     def watchdog_argv(self) -> List[str]:

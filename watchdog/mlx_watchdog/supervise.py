@@ -35,8 +35,8 @@ import psutil
 
 from . import defaults, reports
 from .act import ActionResult
+from .group import clear_heartbeats, heartbeat_tracker
 from .policy import RestartPolicy
-from .heartbeat import HeartbeatTracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
 from .listener import ListenerCheck
 from .log import Events
@@ -287,8 +287,9 @@ class Supervisor:
             policy=policy or RestartPolicy(),
             action=self,
             url=url,
+            # Every rank's heartbeat, for an mlx.launch group (group.py).
             heartbeat=(
-                HeartbeatTracker(heartbeat_file, owner=self.child_pid)
+                heartbeat_tracker(heartbeat_file, owner=self.child_pid)
                 if heartbeat_file is not None else None
             ),
             process=process if process is not None else _ChildCpu(self),
@@ -370,10 +371,8 @@ class Supervisor:
         if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.heartbeat_file is not None:
-            try:  # a heartbeat left by the previous child would look stale
-                os.unlink(self.heartbeat_file)
-            except OSError:
-                pass
+            # A heartbeat left by the previous child (any rank) would look stale.
+            clear_heartbeats(self.heartbeat_file)
         try:
             self.child = self._spawn(self.command, self.env)
         except OSError as exc:

@@ -158,7 +158,8 @@ def server_unit(inst: Instance) -> str:
         "# The shim in the server process sends READY=1 after the model load and",
         "# WATCHDOG=1 from the generation loop.",
         "Type=notify",
-        "NotifyAccess=main",
+        # A group's READY=1 and WATCHDOG=1 come from its ranks, not the main process.
+        "NotifyAccess=" + ("all" if inst.group_launch else "main"),
         "ExecStart=" + exec_line(inst.server_argv()),
     ]
     lines += [environment_line(k, v) for k, v in inst.server_env().items()]

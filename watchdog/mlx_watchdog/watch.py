@@ -22,7 +22,8 @@ from .act import (
     SystemdRestart,
 )
 from .config import InstanceConfig, RestartConfig
-from .heartbeat import HeartbeatTracker, read_heartbeat
+from .group import heartbeat_tracker
+from .heartbeat import read_heartbeat
 from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
@@ -138,8 +139,9 @@ def build_monitor(
         ),
         action=_with_stacks(instance, locator),
         url=instance.url,
+        # Every rank's heartbeat when the server is an mlx.launch group (group.py).
         heartbeat=(
-            HeartbeatTracker(
+            heartbeat_tracker(
                 instance.heartbeat_file,
                 owner=(lambda: locator.find_cached().pid) if locator else None,
             )

@@ -12,6 +12,9 @@ decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
 reported upstream, with their real messages).
 
+MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
+(set by mlx.launch for each rank of a distributed group) is N.
+
 Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
 set, so a test can warm the server up first.
 
@@ -167,7 +170,12 @@ if os.environ.get("MLX_TEST_DECODE_COUNT_FILE"):
         "mlx_lm.generate",
         lambda m: _count_decode_steps(m, os.environ["MLX_TEST_DECODE_COUNT_FILE"])))
 
-if _SPEC:
+def _this_rank():
+    wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
+    return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
+
+
+if _SPEC and _this_rank():
     _action, _kind, _where, _after = _parse(_SPEC)
     sys.meta_path.insert(
         0,

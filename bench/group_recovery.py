@@ -1,0 +1,150 @@
+"""Distributed group: death to serving and hang to serving, 2-rank group vs one process.
+
+A real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), run either alone
+or as a 2-rank `mlx.launch -n 2 --backend ring` group on this host, under
+`mlx-watchdog supervise` with DEFAULT settings (only `--log-format json
+--state-file <tmp>` added). The fault (tests/support/faults) strikes rank 1
+of the group, or the lone server, after a warm-up:
+
+  death  raise:typeerror:decode  the generation thread dies
+  hang   hang:decode             the generation loop blocks at 0% CPU
+
+From the fault's `t=` (written just before it acts) to the first one-token
+completion answered 200 (polled every 0.1 s). One run of each, same machine,
+same run; the ratio group/single is the figure.
+
+    .venvs/mlx-lm-0.32.2/bin/python bench/group_recovery.py [--results-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.support.server import base_env, free_port, python_for  # noqa: E402
+from tests.support.tinymodel import build_llama  # noqa: E402
+
+FAULTS = {"death": "raise:typeerror:decode", "hang": "hang:decode"}
+FAULT_LINE = re.compile(rb"mlx-test-fault: \w+ at \w+ t=([0-9.]+)")
+VERSION = "0.32.2"
+
+
+def chat(url, max_tokens=1, timeout=(0.5, 3)):
+    body = {"model": "default_model", "max_tokens": max_tokens, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "are you there"}]}
+    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+def serving_at(url, deadline):
+    while time.time() < deadline:
+        try:
+            r = chat(url)
+            if r.status_code == 200 and r.json().get("choices"):
+                return time.time()
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.1)
+    return None
+
+
+def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
+    python = python_for(VERSION)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = [str(python), "-m", "mlx_lm", "server", "--model", str(model),
+              "--host", "127.0.0.1", "--port", str(port)]
+    if shape == "group":
+        server = [str(python.parent / "mlx.launch"), "-n", "2", "--backend", "ring", "--",
+                  *server]
+    arm = tmp / f"arm-{kind}-{shape}"
+    env = base_env(shim=False, extra={
+        "PYTHONPATH": str(ROOT / "tests" / "support" / "faults"), "MLX_TEST_FAULT": FAULTS[kind],
+        "MLX_TEST_FAULT_ARM_FILE": str(arm), "MLX_TEST_FAULT_RANK": "1" if shape == "group" else ""})
+    log_path = tmp / f"{kind}-{shape}.log"
+    with open(log_path, "wb") as log:
+        sup = subprocess.Popen(
+            [str(python), "-m", "mlx_watchdog", "supervise", "--log-format", "json",
+             "--state-file", str(tmp / f"{kind}-{shape}.state.json"), "--", *server],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if serving_at(url, time.time() + 300) is None:
+            return {"error": "never served"}
+        time.sleep(6)  # past a probe or two
+        arm.touch()
+        threading.Thread(target=lambda: _quiet(lambda: chat(url, 20, 90)), daemon=True).start()
+        deadline = time.time() + 90
+        struck = None
+        while struck is None and time.time() < deadline:
+            hit = FAULT_LINE.search(log_path.read_bytes())
+            struck = float(hit.group(1)) if hit else None
+            time.sleep(0.05)
+        arm.unlink()
+        if struck is None:
+            return {"error": "the fault did not strike"}
+        back = serving_at(url, time.time() + 300)
+        return {"to_serving_s": None if back is None else round(back - struck, 2)}
+    finally:
+        os.killpg(sup.pid, signal.SIGTERM)
+        try:
+            sup.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(sup.pid, signal.SIGKILL)
+
+
+def _quiet(call):
+    try:
+        call()
+    except requests.RequestException:
+        pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-group-") as folder:
+        tmp = Path(folder)
+        model = build_llama(tmp / "tiny")
+        for kind in FAULTS:
+            for shape in ("single", "group"):
+                results[f"{kind}/{shape}"] = one(kind, shape, model, tmp)
+                print(kind, shape, results[f"{kind}/{shape}"], flush=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = ["## Distributed group: fault on rank 1 to serving again (supervise, defaults)", "",
+             "| fault | single process | 2-rank ring group | group / single |",
+             "|---|---|---|---|"]
+    for kind in FAULTS:
+        single = results[f"{kind}/single"].get("to_serving_s")
+        grouped = results[f"{kind}/group"].get("to_serving_s")
+        ratio = f"{grouped / single:.2f}x" if single and grouped else "n/a"
+        lines.append(f"| {kind} | {single} s | {grouped} s | {ratio} |")
+    lines += ["", f"One run each, mlx-lm {VERSION}, tiny llama on CPU; git {revision}, {stamp}; "
+              f"`{Path(sys.executable).relative_to(ROOT) if str(sys.executable).startswith(str(ROOT)) else sys.executable} "
+              "bench/group_recovery.py`", ""]
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / "group_recovery.json").write_text(
+        json.dumps({"revision": revision, "time": stamp, "results": results}, indent=2) + "\n")
+    (args.results_dir / "group_recovery.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
