@@ -15,7 +15,8 @@
 Instance keys (defaults in defaults.py): url (required), model, api_key or
 api_key_env (the name of an environment variable holding it), interval,
 timeout, failures, boot_grace, health_check, heartbeat_file,
-heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window, and at
+heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window,
+report_dir (where the shim writes crash reports, if not its default), and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
 replaced; prefer pidfile or process_match. A signal restart's target doubles
@@ -99,6 +100,7 @@ class InstanceConfig:
     process_match: Optional[str] = None
     max_restarts: int = defaults.MAX_RESTARTS
     restart_window: float = defaults.RESTART_WINDOW_S
+    report_dir: Optional[str] = None  # the shim's crash reports; default throughput.report_dir()
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ _INSTANCE = {
     "process_match": (_regex, None),
     "max_restarts": (_count, defaults.MAX_RESTARTS),
     "restart_window": (_seconds, defaults.RESTART_WINDOW_S),
+    "report_dir": (_path, None),
 }
 
 _ACTION_TIMEOUT = (_seconds, defaults.ACTION_TIMEOUT_S)

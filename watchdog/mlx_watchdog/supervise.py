@@ -23,6 +23,7 @@ import psutil
 from . import defaults
 from .act import ActionResult, RestartPolicy
 from .heartbeat import HeartbeatTracker
+from .throughput import ReportWatcher, ThroughputTracker, report_dir
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
 from .log import Events
 from .metrics import Metrics
@@ -187,6 +188,8 @@ class Supervisor:
             events=Events(name),
             metrics=metrics,
             state=state,
+            throughput=ThroughputTracker(heartbeat_file) if heartbeat_file is not None else None,
+            reports=ReportWatcher(report_dir(self.env)),
             clock=clock,
             wall_clock=wall_clock,
         )

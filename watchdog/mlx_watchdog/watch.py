@@ -27,6 +27,7 @@ from .monitor import Monitor, RestartAction
 from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
+from .throughput import ReportWatcher, ThroughputTracker, report_dir
 from .wakeup import Wakeup
 
 
@@ -89,6 +90,8 @@ def build_monitor(
         events=Events(instance.name),
         metrics=metrics,
         state=state,
+        throughput=ThroughputTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        reports=ReportWatcher(instance.report_dir or report_dir()),
     )
 
 
