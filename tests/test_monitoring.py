@@ -140,6 +140,14 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
             heartbeat.write_text(json.dumps(beat))
             _wait(lambda: _served(url)["mlx_watchdog_decode_tokens_total"].value == 45,
                   30, "the total to carry over a server restart")
+            # `status` gets the same: throughput and the newest report, per instance.
+            record = _wait(
+                lambda: (r := watch.record("mac1")).get("newest_report") and
+                (r.get("server") or {}).get("decode_tok_s") is not None and r,
+                30, "throughput in the state file")
+            assert record["server"]["in_flight"] == 2
+            assert record["newest_report"]["file"] == str(reports / "crash-1.json")
+            assert isinstance(record["last_ok_probe"], float)
         finally:
             watch.cleanup()
     used = set()

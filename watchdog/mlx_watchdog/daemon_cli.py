@@ -309,7 +309,10 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
     except (OSError, ValueError) as exc:
         click.echo(f"cannot read {path}: {exc}", err=True)
         ctx.exit(1)
-    click.echo(json.dumps(data, indent=2, sort_keys=True) if as_json else format_status(data))
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        click.echo(format_status(data, colour=sys.stdout.isatty()))
 
 
 def _metrics(port: Optional[int], host: Optional[str]) -> Metrics:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import click
+
 VERSION = 1
 
 
@@ -126,13 +128,28 @@ def read_state(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     return data
 
 
+# Colours of the states in `status` on a terminal.
+_STATE_COLOURS = {
+    "healthy": "green",
+    "starting": "cyan",
+    "busy": "yellow",
+    "failing": "yellow",
+    "wedged": "red",
+    "down": "red",
+    "crash-looping": "magenta",
+}
+_CALM = ("healthy", "busy", "starting")
+
+
 def format_status(
     data: Dict[str, Any],
     *,
     now: Optional[float] = None,
     pid_alive: Optional[Callable[[int], bool]] = None,
+    colour: bool = False,
 ) -> str:
-    """The state file as text for people."""
+    """The state file as text for people: a fleet table, one row per instance,
+    then the details of each instance that is not well (colour: for a terminal)."""
     now = time.time() if now is None else now
     if pid_alive is None:
         import psutil
@@ -141,37 +158,98 @@ def format_status(
     instances = data.get("instances", {})
     if not instances:
         return "no instances in the state file"
-    lines = []
+    header = ("INSTANCE", "STATE", "LAST OK PROBE", "RESTARTS", "DECODE", "NEWEST REPORT")
+    rows = []
+    details = []
     for name in sorted(instances):
-        record = instances[name]
-        since = _ago(now, record.get("since"), suffix="")
-        lines.append(f"{name}: {record.get('state', '?')} for {since}  {record.get('url', '')}")
-        if record.get("reason"):
-            lines.append(f"  why: {record['reason']}")
-        probe = record.get("last_probe")
-        if isinstance(probe, dict):
-            lines.append(
-                f"  last probe: {probe.get('status')} in {probe.get('latency_s', 0):.2f}s, "
-                f"{_ago(now, probe.get('time'))}"
-                + (f" ({probe['reason']})" if probe.get("status") != "ok" else "")
-            )
-        restart = record.get("last_restart")
-        count = record.get("restarts", 0)
-        if isinstance(restart, dict):
-            outcome = "ok" if restart.get("ok") else "FAILED"
-            lines.append(
-                f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
-                f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
-            )
-        else:
-            lines.append(f"  restarts: {count}")
-        pid = record.get("daemon_pid")
-        if isinstance(pid, int) and not pid_alive(pid):
-            lines.append(
-                f"  note: the watchdog that wrote this (pid {pid}) is not running; "
-                f"last update {_ago(now, record.get('updated'))}"
-            )
-    return "\n".join(lines)
+        record = instances[name] if isinstance(instances[name], dict) else {}
+        state = str(record.get("state", "?"))
+        rows.append((name, state, _row(record, state, now)))
+        lines = _details(name, record, state, now, pid_alive)
+        if lines:
+            details.append("\n".join(lines))
+    cells = [header] + [(name, *row) for name, _state, row in rows]
+    widths = [max(len(str(row[i])) for row in cells) for i in range(len(header))]
+
+    def line(row: "tuple[str, ...]", state: Optional[str] = None) -> str:
+        padded = [str(cell).ljust(width) for cell, width in zip(row, widths)]
+        if colour and state is None:
+            return click.style("  ".join(padded).rstrip(), bold=True)
+        if colour and state in _STATE_COLOURS:
+            padded[1] = click.style(padded[1], fg=_STATE_COLOURS[state], bold=state not in _CALM)
+        return "  ".join(padded).rstrip()
+
+    table = [line(header)] + [line((name, *row), state) for name, state, row in rows]
+    return "\n".join(table + ([""] + details if details else []))
+
+
+def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
+    since = _ago(now, record.get("since"), suffix="")
+    last_ok = record.get("last_ok_probe")
+    if isinstance(last_ok, (int, float)):
+        good = _ago(now, last_ok)
+    else:
+        good = "never" if isinstance(record.get("last_probe"), dict) else "-"
+    count = record.get("restarts", 0)
+    restart = record.get("last_restart")
+    restarts = str(count)
+    if isinstance(restart, dict):
+        failed = "" if restart.get("ok") else ", FAILED"
+        restarts += f" ({restart.get('cause')} {_ago(now, restart.get('time'))}{failed})"
+    server = record.get("server")
+    decode = "-"
+    if isinstance(server, dict):
+        rate = server.get("decode_tok_s")
+        if isinstance(rate, (int, float)):
+            decode = f"{rate:.1f} tok/s"
+        in_flight = server.get("in_flight")
+        if isinstance(in_flight, int) and in_flight:
+            decode += f", {in_flight} in flight"
+    report = record.get("newest_report")
+    newest = "-"
+    if isinstance(report, dict) and report.get("file"):
+        newest = f"{os.path.basename(str(report['file']))} {_ago(now, report.get('time'))}"
+    return (f"{state} {since}", good, restarts, decode, newest)
+
+
+def _details(
+    name: str, record: Dict[str, Any], state: str, now: float, pid_alive: Callable[[int], bool]
+) -> "list[str]":
+    """What a row cannot say, for an instance that is not well (or not watched)."""
+    lines = []
+    pid = record.get("daemon_pid")
+    if isinstance(pid, int) and not pid_alive(pid):
+        lines.append(
+            f"  note: the watchdog that wrote this (pid {pid}) is not running; "
+            f"last update {_ago(now, record.get('updated'))}"
+        )
+    if state in _CALM and not lines:
+        return []
+    since = _ago(now, record.get("since"), suffix="")
+    head = [f"{name}: {state} for {since}  {record.get('url', '')}".rstrip()]
+    if record.get("reason"):
+        head.append(f"  why: {record['reason']}")
+    probe = record.get("last_probe")
+    if isinstance(probe, dict):
+        latency = probe.get("latency_s")
+        latency = latency if isinstance(latency, (int, float)) else 0.0
+        head.append(
+            f"  last probe: {probe.get('status')} in {latency:.2f}s, "
+            f"{_ago(now, probe.get('time'))}"
+            + (f" ({probe.get('reason')})" if probe.get("status") != "ok" else "")
+        )
+    restart = record.get("last_restart")
+    count = record.get("restarts", 0)
+    if isinstance(restart, dict):
+        outcome = "ok" if restart.get("ok") else "FAILED"
+        head.append(
+            f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
+            f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
+        )
+    report = record.get("newest_report")
+    if isinstance(report, dict) and report.get("file"):
+        head.append(f"  newest report: {report['file']}")
+    return head + lines
 
 
 def _ago(now: float, then: Any, suffix: str = " ago") -> str:
