@@ -167,7 +167,9 @@ class ClientLoop:
         with self._lock:
             return [o for o in self.outcomes if predicate(o)]
 
-    def stop(self, timeout: float = 90) -> None:
+    def stop(self, timeout: float = 2) -> None:
+        """Stop sending. A request still stuck on a wedged server is left to its
+        (daemon) thread: it ends when the test kills that server."""
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout)
