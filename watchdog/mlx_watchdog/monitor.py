@@ -28,7 +28,7 @@ from .throughput import ReportWatcher, ThroughputTracker
 RESTART_CAUSES = tuple(
     getattr(judge_module, name)
     for name in ("NOT_RUNNING", "UNREACHABLE_CAUSE", "DEAD_THREAD", "HEARTBEAT_STALE",
-                 "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED")
+                 "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED_CAUSE")
     if isinstance(getattr(judge_module, name, None), str)
 )
 
