@@ -100,6 +100,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     fake: "FakeServer"
 
+    def handle_error(self, request, client_address) -> None:
+        # A client that hangs up (HAProxy closes its checks with a reset) is not news.
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
 
 class FakeServer:
     def __init__(self, completion=OK, health=HEALTH_OK, port: int = 0):

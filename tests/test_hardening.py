@@ -414,7 +414,9 @@ def test_status_shows_a_malformed_record_without_a_traceback(tmp_path, record):
     path = tmp_path / "state.json"
     path.write_text(json.dumps({"version": 1, "instances": {"bad": record}}))
     result = run_cli(["status", "--state-file", str(path)])
-    assert result.exit_code == 0 and result.output.startswith("bad:")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("INSTANCE") and "\nbad " in result.output
+    assert result.exception is None
 
 
 def test_a_taken_metrics_port_names_the_address():

@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import threading
 from typing import List
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -218,13 +220,55 @@ def test_format_status():
     assert "pid 4242) is not running" in text
 
 
+def test_format_status_is_a_fleet_table():
+    data = {
+        "instances": {
+            "mac1": {
+                "state": "healthy", "since": 400.0, "restarts": 1,
+                "last_probe": {"status": "ok", "latency_s": 0.2, "time": 998.0},
+                "last_ok_probe": 998.0,
+                "last_restart": {"time": 700.0, "cause": "heartbeat-stale", "ok": True},
+                "server": {"decode_tok_s": 56.04, "in_flight": 2, "phase": "serving"},
+                "newest_report": {"file": "/r/crash-1.json", "time": 640.0},
+                "daemon_pid": 1,
+            },
+            "mac2": {
+                "state": "crash-looping", "reason": "exited 70; 6 restarts in 300s: crash loop",
+                "since": 940.0, "restarts": 6, "url": "http://mac2:8080",
+                "last_probe": {"status": "unreachable", "latency_s": 0.0, "time": 990.0,
+                               "reason": "connection refused"},
+                "last_ok_probe": None,
+                "last_restart": {"time": 950.0, "cause": "exited", "ok": False, "detail": "x"},
+                "daemon_pid": 1,
+            },
+            "mac3": "garbage",
+        }
+    }
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
+    lines = text.splitlines()
+    assert lines[0].split() == ["INSTANCE", "STATE", "LAST", "OK", "PROBE", "RESTARTS", "DECODE",
+                                "NEWEST", "REPORT"]
+    row = {line.split()[0]: line for line in lines[1:4]}
+    assert re.search(r"healthy 10m00s +2s ago +1 \(heartbeat-stale 5m00s ago\) +"
+                     r"56\.0 tok/s, 2 in flight +crash-1\.json 6m00s ago", row["mac1"])
+    assert re.search(r"crash-looping 1m00s +never +6 \(exited 50s ago, FAILED\) +- +-", row["mac2"])
+    assert re.search(r"mac3 +malformed record \(not a table\)", row["mac3"])
+    # The details follow for the instance that is not well, and only for it.
+    assert "mac2: crash-looping for 1m00s  http://mac2:8080" in text
+    assert "why: exited 70; 6 restarts in 300s: crash loop" in text
+    assert "mac1:" not in text
+    coloured = format_status(data, now=1000.0, pid_alive=lambda pid: True, colour=True)
+    assert "\x1b[" in coloured and click.unstyle(coloured) == text
+
+
 def test_status_cli(tmp_path):
     path = tmp_path / "state.json"
     missing = CliRunner().invoke(main, ["status", "--state-file", str(path)])
     assert missing.exit_code == 1 and "no state file at" in missing.output
     StateStore(path).update("gemma", {"state": "healthy", "since": 0, "restarts": 0})
     text = CliRunner().invoke(main, ["status", "--state-file", str(path)])
-    assert text.exit_code == 0 and "gemma: healthy" in text.output
+    assert text.exit_code == 0 and re.search(r"^gemma +healthy ", text.output, re.M), text.output
+    assert "\x1b[" not in text.output  # no colour when not on a terminal
     as_json = CliRunner().invoke(main, ["status", "--json", "--state-file", str(path)])
     assert json.loads(as_json.output)["instances"]["gemma"]["state"] == "healthy"
     path.write_text("not json")

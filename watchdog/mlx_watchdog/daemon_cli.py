@@ -313,7 +313,7 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
 
         click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
     else:
-        click.echo(format_status(data))
+        click.echo(format_status(data, colour=sys.stdout.isatty()))
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

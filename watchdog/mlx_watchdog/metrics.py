@@ -10,6 +10,7 @@ from prometheus_client import generate_latest, start_http_server
 from . import defaults
 from .judge import STATES
 from .probe import ProbeResult
+from .throughput import COUNTERS, ThroughputReading
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -43,6 +44,49 @@ class Metrics:
             states=list(STATES),
             registry=self.registry,
         )
+
+        # From the shim's heartbeat counters (throughput.py): totals that
+        # survive server restarts, so rate() gives tokens per second.
+        helps = {
+            "prefill_tokens": "Prompt tokens processed (prefill), from the shim's heartbeat.",
+            "decode_tokens": "Tokens generated (decode), from the shim's heartbeat.",
+            "requests": "Requests the server finished (completed or failed), from the heartbeat.",
+            "cancelled_requests": "Requests cancelled (client gone), from the shim's heartbeat.",
+        }
+        self.server_counters = {
+            name: Counter(f"mlx_watchdog_{name}", helps[name], ["instance"], registry=self.registry)
+            for name in COUNTERS.values()
+        }
+        self.in_flight = Gauge(
+            "mlx_watchdog_in_flight",
+            "Requests the server is working on, from the shim's heartbeat.",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.crash_reports = Counter(
+            "mlx_watchdog_crash_reports",
+            "Crash reports (*.json) that appeared in the instance's report folder.",
+            ["instance"],
+            registry=self.registry,
+        )
+
+    def add_instance(self, instance: str, causes: "tuple[str, ...]" = ()) -> None:
+        """Create an instance's counters at zero, so increase() sees their first step."""
+        for counter in self.server_counters.values():
+            counter.labels(instance)
+        self.crash_reports.labels(instance)
+        for cause in causes:
+            self.restarts.labels(instance, cause)
+
+    def observe_throughput(self, instance: str, reading: ThroughputReading) -> None:
+        for name, increment in reading.increments.items():
+            self.server_counters[name].labels(instance).inc(increment)
+        if reading.in_flight is not None:
+            self.in_flight.labels(instance).set(reading.in_flight)
+
+    def reports_written(self, instance: str, count: int) -> None:
+        if count:
+            self.crash_reports.labels(instance).inc(count)
 
     def observe(self, instance: str, probe: Optional[ProbeResult], state: str) -> None:
         if probe is not None:

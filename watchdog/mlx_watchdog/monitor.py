@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 from .act import ActionResult
 from .policy import RestartPolicy
 from .heartbeat import HeartbeatTracker
+from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
@@ -22,6 +23,15 @@ from .probe import ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
+from .throughput import ReportWatcher, ThroughputTracker
+
+# Restart causes whose counters exist (at zero) from the start.
+RESTART_CAUSES = tuple(
+    getattr(judge_module, name)
+    for name in ("NOT_RUNNING", "UNREACHABLE_CAUSE", "DEAD_THREAD", "HEARTBEAT_STALE",
+                 "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED_CAUSE")
+    if isinstance(getattr(judge_module, name, None), str)
+)
 
 
 class RestartAction(Protocol):
@@ -52,6 +62,8 @@ class Monitor:
         events: Optional[Events] = None,
         metrics: Optional[Metrics] = None,
         state: Optional[StateStore] = None,
+        throughput: Optional[ThroughputTracker] = None,
+        reports: Optional[ReportWatcher] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ):
@@ -68,6 +80,8 @@ class Monitor:
         self.events = events or Events(name)
         self.metrics = metrics
         self.state = state
+        self.throughput = throughput
+        self.reports = reports
         self.clock = clock
         self.wall_clock = wall_clock
         self.verdict: Optional[Verdict] = None
@@ -77,6 +91,11 @@ class Monitor:
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
         self._process_problem: Optional[str] = None
+        self._last_ok_probe: Optional[float] = None
+        self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
+        self._newest_report: Optional[Dict[str, Any]] = None
+        if metrics is not None:
+            metrics.add_instance(name, RESTART_CAUSES)
 
     def started(self) -> None:
         """The server (re)started outside of a restart by this monitor."""
@@ -92,6 +111,7 @@ class Monitor:
         beat = self.heartbeat.sample() if self.heartbeat else None
         self._note_heartbeat_problem()
         port_held_by = self.listener(probe) if self.listener else None
+        self._observe_server()
         now = self.clock()
         verdict = self.judge.observe(
             Evidence(
@@ -116,6 +136,30 @@ class Monitor:
             verdict = self.restart(verdict)
         self.report(verdict, probe)
         return verdict
+
+    def _observe_server(self) -> None:
+        """Throughput counters from the heartbeat, and new crash reports."""
+        if self.throughput is not None:
+            reading = self.throughput.sample()
+            if reading is not None:
+                if self.metrics is not None:
+                    self.metrics.observe_throughput(self.name, reading)
+                self._server = {
+                    "phase": reading.phase,
+                    "in_flight": reading.in_flight,
+                    "decode_tok_s": reading.rates.get("decode_tokens"),
+                    "prefill_tok_s": reading.rates.get("prefill_tokens"),
+                    "last_delivery": reading.last_delivery,
+                }
+        if self.reports is not None:
+            scan = self.reports.scan()
+            if self.metrics is not None:
+                self.metrics.reports_written(self.name, scan.new)
+            if scan.newest is not None:
+                self._newest_report = {
+                    "file": str(self.reports.folder / scan.newest),
+                    "time": scan.newest_time,
+                }
 
     def restart(self, verdict: Verdict) -> Verdict:
         """Restart for verdict, if the policy allows; returns what happened."""
@@ -172,6 +216,8 @@ class Monitor:
                 "http_status": probe.http_status,
                 "time": self.wall_clock(),
             }
+            if probe.ok:
+                self._last_ok_probe = self._last_probe["time"]
         if self.metrics is not None:
             self.metrics.observe(self.name, probe, verdict.state)
         if self.state is not None:
@@ -190,6 +236,9 @@ class Monitor:
             "last_probe": self._last_probe,
             "restarts": self.restarts,
             "last_restart": self._last_restart,
+            "last_ok_probe": self._last_ok_probe,
+            "server": self._server,
+            "newest_report": self._newest_report,
         }
 
     def _note_heartbeat_problem(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .redact import printable, scrub, scrub_all
 from .safefile import NotARegularFile, open_regular
+import click
 
 VERSION = 1
 
@@ -140,17 +141,28 @@ def read_state(path: "str | os.PathLike[str]") -> Dict[str, Any]:
     return data
 
 
+# Colours of the states in `status` on a terminal.
+_STATE_COLOURS = {
+    "healthy": "green",
+    "starting": "cyan",
+    "busy": "yellow",
+    "failing": "yellow",
+    "wedged": "red",
+    "down": "red",
+    "crash-looping": "magenta",
+}
+_CALM = ("healthy", "busy", "starting")
+
+
 def format_status(
     data: Dict[str, Any],
     *,
     now: Optional[float] = None,
     pid_alive: Optional[Callable[[int], bool]] = None,
+    colour: bool = False,
 ) -> str:
-    """The state file as text for people.
-
-    The file may be damaged, old or hand-edited: a record of the wrong shape
-    is shown as such, never a traceback; control characters are escaped.
-    """
+    """The state file as text for people: a fleet table, one row per instance,
+    then the details of each instance that is not well (colour: for a terminal)."""
     now = time.time() if now is None else now
     if pid_alive is None:
         import psutil
@@ -159,51 +171,113 @@ def format_status(
     instances = data.get("instances", {})
     if not instances:
         return "no instances in the state file"
-    lines = []
+    header = ("INSTANCE", "STATE", "LAST OK PROBE", "RESTARTS", "DECODE", "NEWEST REPORT")
+    rows = []
+    details = []
+    # The file may be damaged, old or hand-edited: a record of the wrong shape
+    # is shown as such, never a traceback; control characters are escaped.
     for name in sorted(instances, key=str):
+        record = instances[name]
+        shown = printable(name)
+        if not isinstance(record, dict):
+            rows.append((shown, "?", ("malformed record (not a table)", "", "", "", "")))
+            continue
+        state = printable(record.get("state", "?"))
         try:
-            lines += _format_record(name, instances[name], now, pid_alive)
+            rows.append((shown, state, tuple(printable(c) for c in _row(record, state, now))))
+            lines = _details(shown, record, state, now, pid_alive)
         except Exception as exc:  # a malformed record: say so, go on
-            lines.append(f"{printable(name)}: malformed record ({type(exc).__name__})")
-    return scrub("\n".join(lines))
+            rows.append((shown, "?", (f"malformed record ({type(exc).__name__})", "", "", "", "")))
+            continue
+        if lines:
+            details.append(printable_lines(lines))
+    cells = [header] + [(name, *row) for name, _state, row in rows]
+    widths = [max(len(str(row[i])) for row in cells) for i in range(len(header))]
+
+    def line(row: "tuple[str, ...]", state: Optional[str] = None) -> str:
+        padded = [str(cell).ljust(width) for cell, width in zip(row, widths)]
+        if colour and state is None:
+            return click.style("  ".join(padded).rstrip(), bold=True)
+        if colour and state in _STATE_COLOURS:
+            padded[1] = click.style(padded[1], fg=_STATE_COLOURS[state], bold=state not in _CALM)
+        return "  ".join(padded).rstrip()
+
+    table = [line(header)] + [line((name, *row), state) for name, state, row in rows]
+    return scrub("\n".join(table + ([""] + details if details else [])))
 
 
-def _format_record(name: str, record: Any, now: float, pid_alive: Callable[[int], bool]):
-    if not isinstance(record, dict):
-        return [f"{printable(name)}: malformed record (not a table)"]
-    p = printable
-    lines = []
+def printable_lines(lines: "list[str]") -> str:
+    """Lines joined, each with its control characters escaped."""
+    return "\n".join(printable(line) for line in lines)
+
+
+def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     since = _ago(now, record.get("since"), suffix="")
-    lines.append(f"{p(name)}: {p(record.get('state', '?'))} for {since}  {p(record.get('url', ''))}")
-    if record.get("reason"):
-        lines.append(f"  why: {p(record['reason'])}")
-    probe = record.get("last_probe")
-    if isinstance(probe, dict):
-        latency = probe.get("latency_s")
-        latency = f"{latency:.2f}s" if _is_number(latency) else "?"
-        lines.append(
-            f"  last probe: {p(probe.get('status'))} in {latency}, "
-            f"{_ago(now, probe.get('time'))}"
-            + (f" ({p(probe.get('reason'))})" if probe.get("status") != "ok" else "")
-        )
-    restart = record.get("last_restart")
-    count = record.get("restarts", 0)
-    count = count if _is_number(count) else "?"
-    if isinstance(restart, dict):
-        outcome = "ok" if restart.get("ok") else "FAILED"
-        lines.append(
-            f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
-            f"({p(restart.get('cause'))}, {outcome}: {p(restart.get('detail'))})"
-        )
+    last_ok = record.get("last_ok_probe")
+    if isinstance(last_ok, (int, float)):
+        good = _ago(now, last_ok)
     else:
-        lines.append(f"  restarts: {count}")
+        good = "never" if isinstance(record.get("last_probe"), dict) else "-"
+    count = record.get("restarts", 0)
+    restart = record.get("last_restart")
+    restarts = str(count)
+    if isinstance(restart, dict):
+        failed = "" if restart.get("ok") else ", FAILED"
+        restarts += f" ({restart.get('cause')} {_ago(now, restart.get('time'))}{failed})"
+    server = record.get("server")
+    decode = "-"
+    if isinstance(server, dict):
+        rate = server.get("decode_tok_s")
+        if isinstance(rate, (int, float)):
+            decode = f"{rate:.1f} tok/s"
+        in_flight = server.get("in_flight")
+        if isinstance(in_flight, int) and in_flight:
+            decode += f", {in_flight} in flight"
+    report = record.get("newest_report")
+    newest = "-"
+    if isinstance(report, dict) and report.get("file"):
+        newest = f"{os.path.basename(str(report['file']))} {_ago(now, report.get('time'))}"
+    return (f"{state} {since}", good, restarts, decode, newest)
+
+
+def _details(
+    name: str, record: Dict[str, Any], state: str, now: float, pid_alive: Callable[[int], bool]
+) -> "list[str]":
+    """What a row cannot say, for an instance that is not well (or not watched)."""
+    lines = []
     pid = record.get("daemon_pid")
-    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and not pid_alive(pid):
+    if isinstance(pid, int) and not pid_alive(pid):
         lines.append(
             f"  note: the watchdog that wrote this (pid {pid}) is not running; "
             f"last update {_ago(now, record.get('updated'))}"
         )
-    return lines
+    if state in _CALM and not lines:
+        return []
+    since = _ago(now, record.get("since"), suffix="")
+    head = [f"{name}: {state} for {since}  {record.get('url', '')}".rstrip()]
+    if record.get("reason"):
+        head.append(f"  why: {record['reason']}")
+    probe = record.get("last_probe")
+    if isinstance(probe, dict):
+        latency = probe.get("latency_s")
+        latency = f"{latency:.2f}s" if _is_number(latency) else "?"
+        head.append(
+            f"  last probe: {probe.get('status')} in {latency}, "
+            f"{_ago(now, probe.get('time'))}"
+            + (f" ({probe.get('reason')})" if probe.get("status") != "ok" else "")
+        )
+    restart = record.get("last_restart")
+    count = record.get("restarts", 0)
+    if isinstance(restart, dict):
+        outcome = "ok" if restart.get("ok") else "FAILED"
+        head.append(
+            f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
+            f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
+        )
+    report = record.get("newest_report")
+    if isinstance(report, dict) and report.get("file"):
+        head.append(f"  newest report: {report['file']}")
+    return head + lines
 
 
 def _is_number(value: Any) -> bool:

@@ -37,6 +37,7 @@ from . import defaults, reports
 from .act import ActionResult
 from .group import clear_heartbeats, heartbeat_tracker
 from .policy import RestartPolicy
+from .throughput import ReportWatcher, ThroughputTracker
 from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
 from .listener import ListenerCheck
 from .log import Events
@@ -298,6 +299,8 @@ class Supervisor:
             events=Events(name),
             metrics=metrics,
             state=state,
+            throughput=ThroughputTracker(heartbeat_file) if heartbeat_file is not None else None,
+            reports=ReportWatcher(self.report_dir),
             clock=clock,
             wall_clock=wall_clock,
         )

@@ -32,6 +32,7 @@ from .policy import RestartPolicy
 from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
+from .throughput import ReportWatcher, ThroughputTracker
 from .wakeup import Wakeup
 
 
@@ -151,6 +152,8 @@ def build_monitor(
         events=Events(instance.name),
         metrics=metrics,
         state=state,
+        throughput=ThroughputTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
+        reports=ReportWatcher(reports.report_dir(instance.report_dir)),
     )
 
 

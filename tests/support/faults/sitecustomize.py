@@ -6,6 +6,8 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
     raise:<kind>:<where>[:<after>]   raise on the (after+1)-th call of <where>
     hang:<where>[:<after>]           block forever there, at 0% CPU
     spin:<where>[:<after>]           loop forever there, burning CPU
+    hold:<where>[:<after>]           wait there (0% CPU) until MLX_TEST_FAULT_RELEASE_FILE
+                                     exists, then carry on: a slow model load, say
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache).
@@ -60,7 +62,7 @@ def _parse(spec):
     if action == "raise":
         kind, where = parts[1], parts[2]
         after = int(parts[3]) if len(parts) > 3 else 0
-    elif action in ("hang", "spin"):
+    elif action in ("hang", "spin", "hold"):
         kind, where = None, parts[1]
         after = int(parts[2]) if len(parts) > 2 else 0
     else:
@@ -102,6 +104,10 @@ def _inject(module, action, kind, where, after):
                     import threading
 
                     threading.Event().wait()
+                if action == "hold":
+                    release = os.environ.get("MLX_TEST_FAULT_RELEASE_FILE", "")
+                    while not (release and os.path.exists(release)):
+                        time.sleep(0.05)
                 while action == "spin":
                     pass
         return original(*args, **kwargs)
