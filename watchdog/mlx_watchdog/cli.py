@@ -54,6 +54,9 @@ def _attach_commands() -> None:
     for command in (probe_command, supervise_command, watch_command, status_command,
                     install_command, uninstall_command):
         main.add_command(command)
+    from .doctor import doctor_command
+
+    main.add_command(doctor_command)
 
 
 _attach_commands()
