@@ -109,8 +109,9 @@ def test_a_raising_user_sitecustomize_is_reported_and_start_goes_on(envs, tmp_pa
 
 EXPECTED_STATUS = {
     "0.31.3": "mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied",
-    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: mlx-lm 0.32.2 has "
-               "the upstream fix (0.32.0); advance applied"),
+    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: PromptProcessingBatch."
+               "extend no longer pads logits processors with None (fixed upstream in 0.32.0); "
+               "advance applied"),
 }
 
 
