@@ -111,8 +111,9 @@ _NEW_PARTS = "; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconn
 EXPECTED_STATUS = {
     "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied"
                "%s" % _NEW_PARTS),
-    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: mlx-lm 0.32.2 has "
-               "the upstream fix (0.32.0); advance applied" + _NEW_PARTS),
+    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: PromptProcessingBatch."
+               "extend no longer pads logits processors with None (fixed upstream in 0.32.0); "
+               "advance applied" + _NEW_PARTS),
 }
 
 

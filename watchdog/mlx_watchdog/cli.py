@@ -25,6 +25,7 @@ _LAZY = {
     "install": ("install_cli", "install_command"),
     "uninstall": ("install_cli", "uninstall_command"),
     "reports": ("reports_cli", "reports_command"),
+    "doctor": ("doctor", "doctor_command"),
 }
 
 

@@ -4,11 +4,23 @@ A patch module defines:
     NAME      its switch name for MLX_HOTFIX_DISABLE
     TARGET    the module it patches
     REASON    why, with the upstream issue numbers
-    VERSIONS  (first, below): the mlx-lm releases it is known to fit
+    VERSIONS  (first, tested_below): the mlx-lm releases it was tested on
     FIXED_IN  the release that fixed it upstream, or None
     TEST      the test that reproduces the bug on stock and proves the fix
+    KIND      "fail-safe" (turns a failure into a clean exit or a signal) or
+              "fix" (changes what stock code computes)
     check_shape(module) -> None if the target looks as expected, else why not
     apply(module)
+
+The shape decides, the version only labels (evidence: every release from
+0.28.0 to 0.32.2 was read and run, README "Patches by release"):
+
+- a part applies whenever its shape check passes. A fix part's check proves
+  the buggy code is still there verbatim, so it cannot patch code that
+  changed; a fail-safe part's check proves the hook points exist.
+- outside the tested range it says so: "applied (untested release 0.33.0)".
+- a part whose shape does not match is skipped, and the line says what is
+  missing or already fixed (a fix part past FIXED_IN says so).
 """
 
 import sys
@@ -57,32 +69,35 @@ def mlx_version():
     return str(getattr(core, "__version__", "unknown"))
 
 
-def version_gate(patch, version_text):
-    """None if the installed mlx-lm is in the patch's range, else why not."""
+def untested_label(patch, version_text):
+    """'' inside the tested range, else ' (untested release X)'."""
     if version_text == "unknown":
-        return "cannot tell the mlx-lm version"
+        return " (untested release: cannot tell the mlx-lm version)"
     version = parse_version(version_text)
     first, below = (parse_version(v) for v in patch.VERSIONS)
-    if patch.FIXED_IN and version >= parse_version(patch.FIXED_IN):
-        return "mlx-lm %s has the upstream fix (%s)" % (version_text, patch.FIXED_IN)
-    if version < first:
-        return "mlx-lm %s is older than the code this fixes (%s)" % (
-            version_text, patch.VERSIONS[0])
-    if version >= below:
-        return "mlx-lm %s is newer than the releases this is tested on (< %s)" % (
-            version_text, patch.VERSIONS[1])
-    return None
+    if first <= version < below:
+        return ""
+    return " (untested release %s)" % version_text
+
+
+def skip_reason(patch, version_text, why):
+    """The shape check's reason, with the upstream fix named when there is one."""
+    fixed_in = getattr(patch, "FIXED_IN", None)
+    if (fixed_in and version_text != "unknown"
+            and parse_version(version_text) >= parse_version(fixed_in)
+            and why != "already applied"):
+        return "%s (fixed upstream in %s)" % (why, fixed_in)
+    return why
 
 
 def try_apply(patch, module):
-    why = version_gate(patch, mlx_lm_version())
-    if why is None:
-        try:
-            why = patch.check_shape(module)
-        except Exception as exc:  # noqa: BLE001
-            why = "shape check failed (%s: %s)" % (exc.__class__.__name__, exc)
+    version_text = mlx_lm_version()
+    try:
+        why = patch.check_shape(module)
+    except Exception as exc:  # noqa: BLE001
+        why = "shape check failed (%s: %s)" % (exc.__class__.__name__, exc)
     if why is not None:
-        status[patch.NAME] = "skipped: " + why
+        status[patch.NAME] = "skipped: " + skip_reason(patch, version_text, why)
         return False
     try:
         patch.apply(module)
@@ -91,7 +106,7 @@ def try_apply(patch, module):
             exc.__class__.__name__, exc)
         log.debug_exception()
         return False
-    status[patch.NAME] = "applied"
+    status[patch.NAME] = "applied" + untested_label(patch, version_text)
     describe = getattr(patch, "describe", None)  # a part with modes says which
     if describe is not None:
         status[patch.NAME] += " (%s)" % describe()
@@ -101,7 +116,20 @@ def try_apply(patch, module):
 
 def status_line():
     pieces = ["%s %s" % (p.NAME, status.get(p.NAME, "not loaded")) for p in PATCHES]
-    return "mlx-lm %s, mlx %s; %s" % (mlx_lm_version(), mlx_version(), "; ".join(pieces))
+    line = "mlx-lm %s, mlx %s; %s" % (mlx_lm_version(), mlx_version(), "; ".join(pieces))
+    warning = pairing_warning()
+    return line + ("; WARNING: " + warning if warning else "")
+
+
+def pairing_warning():
+    """The known-bad-pair or yanked-release line for this process, or None."""
+    try:
+        from .. import pairings
+
+        return pairings.warning_for(mlx_lm_version(), mlx_version(),
+                                    pairings.installed_version("transformers"))
+    except Exception:  # noqa: BLE001 - a warning must never break start-up
+        return None
 
 
 def report_status(_module=None):

@@ -28,9 +28,10 @@ from .exit_on_death import _MARK, _wrap
 NAME = "advance"
 TARGET = "mlx_lm.models.cache"
 REASON = "ml-explore/mlx-lm#1641, #1845: ArraysCache.advance builds one lazy graph node per decode step"
-VERSIONS = ("0.31.0", "0.33.0")
+VERSIONS = ("0.30.4", "0.33.0")  # ArraysCache.advance first appears in 0.30.4
 FIXED_IN = None
 TEST = "tests/test_patch_advance.py"
+KIND = "fix"
 
 FIELDS = ("lengths", "left_padding")
 
@@ -97,8 +98,10 @@ _STOCK_ADVANCE_BODY = _normalise(
 def check_shape(cache):
     arrays_cache = getattr(cache, "ArraysCache", None)
     advance = getattr(arrays_cache, "advance", None)
+    if arrays_cache is None:
+        return "no ArraysCache in this release"
     if advance is None:
-        return "mlx_lm.models.cache.ArraysCache.advance is missing"
+        return "no ArraysCache.advance in this release (it first appears in 0.30.4)"
     if getattr(advance, _MARK, False):
         return "already applied"
     for field in FIELDS:

@@ -9,7 +9,7 @@ lives on, so KeepAlive and Restart= never fire. Users measured 5 to 52 hours
 per event.
 
 How: the thread's target is the bound method ``ResponseGenerator._generate``
-(0.31) or ``_run_generate``, which calls ``_generate`` (0.32). Wrapping
+(0.28.4 to 0.31) or ``_run_generate``, which calls ``_generate`` (0.32). Wrapping
 ``_generate`` on the class catches the death in both, before stock code sees
 it, and only for that thread: a user's own function named ``_generate``, or
 any other thread, is never touched. The exception is re-raised unchanged, so
@@ -23,8 +23,16 @@ when stream headers are already out, a final SSE error event; then the
 connection closes. A reaper thread exits with MLX_HOTFIX_EXIT_CODE once every
 client is answered, or when MLX_HOTFIX_EXIT_GRACE runs out.
 
+Every threaded release 0.28.4 to 0.32.x has the zombie. Two loop shapes
+(patches/loop_shapes.py): 0.30.6+ turns through ``_next_request``, 0.28.4 to
+0.30.5 through its request queue; each has its own shape check, and the
+heartbeat hooks come from ``loop_shapes.loop_hooks``. Before 0.28.4 there is
+no generation thread: "exit skipped: no generation thread in this release".
+
 Test: tests/test_shim_exit.py (excepthook death on 0.31.3, caught-by-stock
-death on 0.32.2, death at model load, negative controls).
+death on 0.32.2, death at model load, negative controls);
+tests/test_matrix.py (one death per release line, 0.28.4 to 0.32.2, and a
+stock tree relabelled 0.33.0).
 """
 
 import json
@@ -36,13 +44,15 @@ import time
 import weakref
 
 from .. import config, heartbeat, log, reports
+from . import loop_shapes
 
 NAME = "exit"
 TARGET = "mlx_lm.server"
 REASON = "ml-explore/mlx-lm#1505: a dead generation thread leaves a zombie server"
-VERSIONS = ("0.31.0", "0.33.0")
+VERSIONS = ("0.28.4", "0.33.0")  # the generation thread arrived in 0.28.4
 FIXED_IN = None
 TEST = "tests/test_shim_exit.py"
+KIND = "fail-safe"
 
 _MARK = "__mlx_hotfix_wrapped__"
 
@@ -131,11 +141,13 @@ class Lifeline:
             % (where, exc.__class__.__name__, _one_line(exc),
                plan or "exiting %d" % settings.exit_code)
         )
+        pairing = _note_known_bad_pair()
         if plan is None:  # a recovery writes its own "recovered" report
-            reports.write_report("died", exc=exc, extra={  # within the grace; never raises
-                "in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
-                "exit_code": settings.exit_code,
-                "during_startup": during_startup})
+            extra = {"in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
+                     "exit_code": settings.exit_code, "during_startup": during_startup}
+            if pairing:
+                extra["pairing_warning"] = pairing
+            reports.write_report("died", exc=exc, extra=extra)  # within the grace; never raises
         with self._lock:
             while True:
                 left = deadline - time.monotonic()
@@ -173,6 +185,19 @@ class Lifeline:
 
 
 lifeline = Lifeline()
+
+
+def _note_known_bad_pair():
+    """A death from a known-bad mlx-lm/mlx pair: say why; the warning, for the report."""
+    try:
+        from . import pairing_warning
+
+        warning = pairing_warning()
+    except Exception:  # noqa: BLE001
+        return None
+    if warning:
+        log.say("this death is likely the known-bad pair: " + warning)
+    return warning or None
 
 
 def _one_line(exc):
@@ -245,20 +270,13 @@ def _wrap_generate_request(original):
     return _wrap(original, generate)
 
 
-def _wrap_next_request(original):
-    def _next_request(self, *args, **kwargs):
+def _wrap_loop_turn(original):
+    # One pass of the generation loop (loop_shapes.loop_hooks), any shape.
+    def loop_turn(self, *args, **kwargs):
         heartbeat.loop_iteration()
         return original(self, *args, **kwargs)
 
-    return _wrap(original, _next_request)
-
-
-def _wrap_budget_next(original):
-    def __next__(self):
-        heartbeat.loop_iteration()
-        return original(self)
-
-    return _wrap(original, __next__)
+    return _wrap(original, loop_turn)
 
 
 def _wrap_model_load(original):
@@ -428,16 +446,19 @@ def _serves_mlx_lm(httpd):
 
 # -- gate and apply ----------------------------------------------------------
 
-_RESPONSE_GENERATOR_METHODS = ("_generate", "generate", "_next_request")
+_RESPONSE_GENERATOR_METHODS = ("_generate", "generate")
 _HANDLER_METHODS = ("handle", "handle_completion", "handle_health_check", "end_headers",
                     "do_POST")
 
 
 def check_shape(server):
+    why = loop_shapes.check_shape(server)
+    if why is not None:
+        return why
     generator = getattr(server, "ResponseGenerator", None)
     handler = getattr(server, "APIHandler", None)
-    if generator is None or handler is None:
-        return "mlx_lm.server has no ResponseGenerator/APIHandler"
+    if handler is None:
+        return "mlx_lm.server has no APIHandler"
     for owner, names in ((generator, _RESPONSE_GENERATOR_METHODS), (handler, _HANDLER_METHODS)):
         for name in names:
             if not callable(getattr(owner, name, None)):
@@ -447,29 +468,24 @@ def check_shape(server):
     queue_class = getattr(server, "Queue", None)
     if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
         return "mlx_lm.server does not use queue.Queue for responses"
-    budget = getattr(server, "TimeBudget", None)
-    if budget is not None and not callable(getattr(budget, "__next__", None)):
-        return "TimeBudget is not an iterator"
     return None
 
 
 def apply(server):
     generator = server.ResponseGenerator
     handler = server.APIHandler
-    budget = getattr(server, "TimeBudget", None)
     provider = getattr(server, "ModelProvider", None)
     replacements = [
         (server, "Queue", _make_watched_queue(server.Queue)),
         (generator, "_generate", _wrap_generate_loop(generator._generate)),
         (generator, "generate", _wrap_generate_request(generator.generate)),
-        (generator, "_next_request", _wrap_next_request(generator._next_request)),
         (handler, "handle", _wrap_handle(handler.handle)),
         (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
         (handler, "end_headers", _wrap_end_headers(handler.end_headers)),
     ]
-    if budget is not None:
-        replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
+    for owner, name in loop_shapes.loop_hooks(server):
+        replacements.append((owner, name, _wrap_loop_turn(getattr(owner, name))))
     if provider is not None and callable(getattr(provider, "load", None)):
         replacements.append((provider, "load", _wrap_model_load(provider.load)))
     replacements.append((generator, "__init__", _wrap_generator_init(generator.__init__)))

@@ -23,16 +23,24 @@ from .exit_on_death import _MARK, _wrap
 NAME = "extend"
 TARGET = "mlx_lm.generate"
 REASON = "ml-explore/mlx-lm#1505, #1513: None logits-processor placeholders in PromptProcessingBatch.extend"
-VERSIONS = ("0.31.0", "0.32.0")
+VERSIONS = ("0.31.2", "0.32.0")  # PromptProcessingBatch first appears in 0.31.2
 FIXED_IN = "0.32.0"
 TEST = "tests/test_patch_extend.py"
+KIND = "fix"
 
-# The statement the bug lives in, as stock 0.31.x writes it.
-_BUGGY_SOURCE = "[None] * len(batch.uids)"
+# The statements the bug lives in, verbatim as stock 0.31.2 and 0.31.3 write
+# them (whitespace aside): the patch only fits code that still has both.
+_BUGGY_STATEMENTS = (
+    "self.logits_processors = [None] * len(self.uids)",
+    "else [None] * len(batch.uids)",
+    "self.logits_processors.extend(logits_processors)",
+)
 
 
 def check_shape(generate):
     batch = getattr(generate, "PromptProcessingBatch", None)
+    if batch is None:
+        return "no PromptProcessingBatch in this release (the None placeholders arrived with it in 0.31.2)"
     extend = getattr(batch, "extend", None)
     if extend is None:
         return "mlx_lm.generate.PromptProcessingBatch.extend is missing"
@@ -44,8 +52,9 @@ def check_shape(generate):
         source = inspect.getsource(extend)
     except (OSError, TypeError):
         return "cannot read the source of PromptProcessingBatch.extend"
-    if "logits_processors" not in source or _BUGGY_SOURCE not in source:
-        return "PromptProcessingBatch.extend does not pad with None here"
+    flat = " ".join(source.split())
+    if not all(statement in flat for statement in _BUGGY_STATEMENTS):
+        return "PromptProcessingBatch.extend no longer pads logits processors with None"
     return None
 
 

@@ -10,7 +10,8 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
                                      exists, then carry on: a slow model load, say
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
-decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache).
+decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
+step (BatchGenerator.next: every threaded release, 0.28.4 on).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
 reported upstream, with their real messages).
 
@@ -53,6 +54,8 @@ _TARGETS = {
     "prefill": ("mlx_lm.generate", "PromptProcessingBatch", "prompt"),
     "decode": ("mlx_lm.generate", "GenerationBatch", "next"),
     "extract_cache": ("mlx_lm.generate", "BatchGenerator", "extract_cache"),
+    # One batched step, the same method in every threaded release (0.28.4+).
+    "step": ("mlx_lm.generate", "BatchGenerator", "next"),
 }
 
 
