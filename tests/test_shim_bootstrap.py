@@ -108,8 +108,9 @@ def test_a_raising_user_sitecustomize_is_reported_and_start_goes_on(envs, tmp_pa
 
 
 EXPECTED_STATUS = {
-    "0.31.3": "mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied",
-    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: mlx-lm 0.32.2 has "
+    "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; heartbeat applied; extend applied; "
+               "advance applied"),
+    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; heartbeat applied; extend skipped: mlx-lm 0.32.2 has "
                "the upstream fix (0.32.0); advance applied"),
 }
 
@@ -135,8 +136,8 @@ def test_disable_list_and_unknown_names(envs):
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
-        "known names: exit, extend, advance",
-        "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; extend applied; "
+        "known names: exit, heartbeat, extend, advance",
+        "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
         "advance disabled",
     ]
 
@@ -172,7 +173,8 @@ def test_a_target_that_does_not_fit_is_skipped_and_the_server_still_loads(envs, 
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
     assert lines == [
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; "
-        "exit skipped: APIHandler.handle_health_check is missing; extend applied; "
+        "exit skipped: APIHandler.handle_health_check is missing; "
+        "heartbeat skipped: APIHandler.handle_health_check is missing; extend applied; "
         "advance skipped: ArraysCache.advance is no longer the lazy '-=' (fixed upstream?)"
     ]
 

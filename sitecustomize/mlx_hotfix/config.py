@@ -1,17 +1,18 @@
 """The shim's settings, read once from the environment.
 
 MLX_HOTFIX=0                 the whole shim off (handled in sitecustomize.py)
-MLX_HOTFIX_DISABLE=a,b       turn off the named parts: exit, extend, advance
+MLX_HOTFIX_DISABLE=a,b       turn off the named parts: exit, heartbeat, extend, advance
 MLX_HOTFIX_DEBUG=1           verbose
 MLX_HOTFIX_EXIT_CODE=70      exit status after the generation thread dies
 MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
+MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
 """
 
 import os
 
-PARTS = ("exit", "extend", "advance")
+PARTS = ("exit", "heartbeat", "extend", "advance")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
@@ -34,6 +35,11 @@ class Config:
         self.heartbeat_interval = self._number(
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
             lambda v: 0.05 <= v <= 3600, "a number of seconds from 0.05 to 3600",
+        )
+        # Longer than the longest single prefill step (see README, "Stalls").
+        self.stall_timeout = self._number(
+            environ, "MLX_HOTFIX_STALL_TIMEOUT", 300.0, float,
+            lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",
         )
 
     def _parse_disable(self, raw):

@@ -177,7 +177,8 @@ class RestartPolicy:
     """Boot grace, exponential backoff, and a cap on restarts per window.
 
     - After each start, failures do not count for `boot_grace_s` (or until the
-      first successful probe, whichever comes first).
+      first successful probe, or the heartbeat says serving, whichever comes
+      first).
     - After n restarts with no healthy probe since, the next one waits
       `backoff_initial_s * 2**(n-1)` after the previous one, at most
       `backoff_max_s` (the first restart does not wait).
@@ -210,6 +211,10 @@ class RestartPolicy:
 
     def in_grace(self, now: float) -> bool:
         return self._grace_until is not None and now < self._grace_until
+
+    def end_grace(self, now: float) -> None:
+        """The new server is loaded and serving: failures count from now on."""
+        self._grace_until = None
 
     def healthy(self, now: float) -> None:
         """A probe succeeded: the boot is over and the backoff starts again."""

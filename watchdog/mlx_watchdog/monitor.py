@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from .act import ActionResult, RestartPolicy
-from .heartbeat import HeartbeatTracker
+from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
@@ -72,6 +72,7 @@ class Monitor:
         self._last_probe: Optional[Dict[str, Any]] = None
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
+        self._boot_wall = wall_clock()  # when the current server was (re)started
 
     def started(self) -> None:
         """The server (re)started outside of a restart by this monitor."""
@@ -86,6 +87,9 @@ class Monitor:
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
         beat = self.heartbeat.sample() if self.heartbeat else None
         now = self.clock()
+        if self._loaded(beat) and self.policy.in_grace(now):
+            self.policy.end_grace(now)
+            self.events.info("loaded", "the heartbeat says serving: boot grace over")
         verdict = self.judge.observe(
             Evidence(
                 probe=probe,
@@ -173,8 +177,22 @@ class Monitor:
             "last_restart": self._last_restart,
         }
 
+    # A process that started up to this long before the (re)start was noted
+    # is the new one (the supervisor spawns, then notes the start).
+    _START_SLACK_S = 2.0
+
+    def _loaded(self, beat: Optional[HeartbeatReading]) -> bool:
+        """The heartbeat is the new server's, and it is loaded and serving."""
+        return (
+            beat is not None
+            and beat.phase in (SERVING, STALLED)
+            and beat.started is not None
+            and beat.started >= self._boot_wall - self._START_SLACK_S
+        )
+
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.
+        self._boot_wall = self.wall_clock()
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

@@ -6,6 +6,8 @@ A patch module defines:
     REASON    why, with the upstream issue numbers
     VERSIONS  (first, below): the mlx-lm releases it is known to fit
     FIXED_IN  the release that fixed it upstream, or None
+    KIND      "fail-safe" (observes or exits, changes no result: applies past
+              the tested releases whenever the shape fits) or "fix"
     TEST      the test that reproduces the bug on stock and proves the fix
     check_shape(module) -> None if the target looks as expected, else why not
     apply(module)
@@ -14,9 +16,9 @@ A patch module defines:
 import sys
 
 from .. import _hooks, config, log
-from . import advance, exit_on_death, extend
+from . import advance, exit_on_death, extend, heartbeat
 
-PATCHES = (exit_on_death, extend, advance)
+PATCHES = (exit_on_death, heartbeat, extend, advance)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
@@ -68,7 +70,7 @@ def version_gate(patch, version_text):
     if version < first:
         return "mlx-lm %s is older than the code this fixes (%s)" % (
             version_text, patch.VERSIONS[0])
-    if version >= below:
+    if version >= below and getattr(patch, "KIND", "fix") != "fail-safe":
         return "mlx-lm %s is newer than the releases this is tested on (< %s)" % (
             version_text, patch.VERSIONS[1])
     return None
@@ -92,6 +94,9 @@ def try_apply(patch, module):
         log.debug_exception()
         return False
     status[patch.NAME] = "applied"
+    version_text = mlx_lm_version()
+    if parse_version(version_text) >= parse_version(patch.VERSIONS[1]):
+        status[patch.NAME] = "applied (untested release %s)" % version_text
     log.debug("%s applied to %s (%s)" % (patch.NAME, patch.TARGET, patch.REASON))
     return True
 

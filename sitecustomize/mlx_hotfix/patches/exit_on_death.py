@@ -36,6 +36,8 @@ import time
 import weakref
 
 from .. import config, heartbeat, log
+from .._wrap import _MARK, wrapped_by
+from .._wrap import _wrap as _wrap_as
 
 NAME = "exit"
 TARGET = "mlx_lm.server"
@@ -43,8 +45,6 @@ REASON = "ml-explore/mlx-lm#1505: a dead generation thread leaves a zombie serve
 VERSIONS = ("0.31.0", "0.33.0")
 FIXED_IN = None
 TEST = "tests/test_shim_exit.py"
-
-_MARK = "__mlx_hotfix_wrapped__"
 
 
 class GenerationThreadDied(BaseException):
@@ -173,10 +173,6 @@ def _make_watched_queue(base):
             super().__init__(*args, **kwargs)
             lifeline.watch_queue(self)
 
-        def put(self, item, block=True, timeout=None):
-            heartbeat.beat_if_generation_thread()
-            super().put(item, block, timeout)
-
         def get(self, block=True, timeout=None):
             item = super().get(block, timeout)
             if item is _SENTINEL:
@@ -186,27 +182,23 @@ def _make_watched_queue(base):
 
     _WatchedQueue.__name__ = base.__name__
     _WatchedQueue.__qualname__ = base.__qualname__
-    setattr(_WatchedQueue, _MARK, True)
+    setattr(_WatchedQueue, _MARK, NAME)
     return _WatchedQueue
 
 
 def _wrap(function, wrapper):
-    wrapper.__name__ = function.__name__
-    wrapper.__qualname__ = getattr(function, "__qualname__", function.__name__)
-    wrapper.__doc__ = function.__doc__
-    wrapper.__wrapped__ = function
-    setattr(wrapper, _MARK, True)
-    return wrapper
+    return _wrap_as(function, wrapper, NAME)
 
 
 def _wrap_generate_loop(original):
     def _generate(self, *args, **kwargs):
-        heartbeat.generation_thread_started(self)
         try:
             return original(self, *args, **kwargs)
         except BaseException as exc:
             if threading.current_thread() is getattr(self, "_generation_thread", None):
-                lifeline.die(self, exc, during_startup=not heartbeat.loop_running())
+                loaded = getattr(getattr(self, "model_provider", None), "model", None)
+                during_startup = loaded is None and not heartbeat.loop_running()
+                lifeline.die(self, exc, during_startup=during_startup)
             raise
 
     return _wrap(original, _generate)
@@ -219,30 +211,6 @@ def _wrap_generate_request(original):
         return original(self, *args, **kwargs)
 
     return _wrap(original, generate)
-
-
-def _wrap_next_request(original):
-    def _next_request(self, *args, **kwargs):
-        heartbeat.loop_iteration()
-        return original(self, *args, **kwargs)
-
-    return _wrap(original, _next_request)
-
-
-def _wrap_budget_next(original):
-    def __next__(self):
-        heartbeat.loop_iteration()
-        return original(self)
-
-    return _wrap(original, __next__)
-
-
-def _wrap_model_load(original):
-    def load(self, *args, **kwargs):
-        with heartbeat.model_load():
-            return original(self, *args, **kwargs)
-
-    return _wrap(original, load)
 
 
 def _wrap_end_headers(original):
@@ -331,7 +299,7 @@ def _send_json(handler, status, body):
 
 # -- gate and apply ----------------------------------------------------------
 
-_RESPONSE_GENERATOR_METHODS = ("_generate", "generate", "_next_request")
+_RESPONSE_GENERATOR_METHODS = ("_generate", "generate")
 _HANDLER_METHODS = ("handle", "handle_completion", "handle_health_check", "end_headers",
                     "do_POST")
 
@@ -345,36 +313,26 @@ def check_shape(server):
         for name in names:
             if not callable(getattr(owner, name, None)):
                 return "%s.%s is missing" % (owner.__name__, name)
-    if getattr(getattr(generator, "_generate"), _MARK, False):
+    if wrapped_by(generator._generate, NAME):
         return "already applied"
     queue_class = getattr(server, "Queue", None)
     if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
         return "mlx_lm.server does not use queue.Queue for responses"
-    budget = getattr(server, "TimeBudget", None)
-    if budget is not None and not callable(getattr(budget, "__next__", None)):
-        return "TimeBudget is not an iterator"
     return None
 
 
 def apply(server):
     generator = server.ResponseGenerator
     handler = server.APIHandler
-    budget = getattr(server, "TimeBudget", None)
-    provider = getattr(server, "ModelProvider", None)
     replacements = [
         (server, "Queue", _make_watched_queue(server.Queue)),
         (generator, "_generate", _wrap_generate_loop(generator._generate)),
         (generator, "generate", _wrap_generate_request(generator.generate)),
-        (generator, "_next_request", _wrap_next_request(generator._next_request)),
         (handler, "handle", _wrap_handle(handler.handle)),
         (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
         (handler, "end_headers", _wrap_end_headers(handler.end_headers)),
     ]
-    if budget is not None:
-        replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
-    if provider is not None and callable(getattr(provider, "load", None)):
-        replacements.append((provider, "load", _wrap_model_load(provider.load)))
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)

@@ -6,9 +6,13 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
     raise:<kind>:<where>[:<after>]   raise on the (after+1)-th call of <where>
     hang:<where>[:<after>]           block forever there, at 0% CPU
     spin:<where>[:<after>]           loop forever there, burning CPU
+    livelock:batch[:<after>]         BatchGenerator.next returns no responses,
+                                     forever: the loop turns, nothing is
+                                     delivered (upstream #1493)
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
-decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache).
+decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
+batch (BatchGenerator.next).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
 reported upstream, with their real messages).
 
@@ -39,6 +43,7 @@ _TARGETS = {
     "prefill": ("mlx_lm.generate", "PromptProcessingBatch", "prompt"),
     "decode": ("mlx_lm.generate", "GenerationBatch", "next"),
     "extract_cache": ("mlx_lm.generate", "BatchGenerator", "extract_cache"),
+    "batch": ("mlx_lm.generate", "BatchGenerator", "next"),
 }
 
 
@@ -48,7 +53,7 @@ def _parse(spec):
     if action == "raise":
         kind, where = parts[1], parts[2]
         after = int(parts[3]) if len(parts) > 3 else 0
-    elif action in ("hang", "spin"):
+    elif action in ("hang", "spin", "livelock"):
         kind, where = None, parts[1]
         after = int(parts[2]) if len(parts) > 2 else 0
     else:
@@ -72,6 +77,9 @@ def _inject(module, action, kind, where, after):
     calls = [0]
 
     def faulty(*args, **kwargs):
+        if action == "livelock" and calls[0] > after:  # once struck, for good
+            time.sleep(0.002)  # a real livelock spins; spare the shared CPU
+            return [], []
         if _armed():
             calls[0] += 1
             if calls[0] > after:
@@ -80,6 +88,8 @@ def _inject(module, action, kind, where, after):
                 if action == "raise":
                     error, message = _MESSAGES[kind]
                     raise error(message)
+                if action == "livelock":
+                    return [], []
                 if action == "hang":
                     import threading
 
