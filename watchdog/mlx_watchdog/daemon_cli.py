@@ -138,7 +138,7 @@ def probe_command(
     "--boot-grace",
     defaults.BOOT_GRACE_S,
     "Seconds after each start during which failures do not count (ends early at the "
-    "first good probe).",
+    "first good probe, or when the shim's heartbeat says the model is loaded and serving).",
     kind=_SECONDS_OR_ZERO,
 )
 @_number_option(
