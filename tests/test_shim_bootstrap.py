@@ -144,9 +144,12 @@ def test_disable_list_and_unknown_names(envs):
 
 def test_bad_numbers_are_named_and_defaults_used(envs):
     result = run_python("0.31.3", "import mlx_lm.server",
-                        env={"MLX_HOTFIX_EXIT_CODE": "0", "MLX_HOTFIX_EXIT_GRACE": "soon"})
+                        env={"MLX_HOTFIX_EXIT_CODE": "0", "MLX_HOTFIX_EXIT_GRACE": "soon",
+                             "MLX_HOTFIX_STALL_TIMEOUT": "0"})
     assert result.returncode == 0, result.stderr
     assert "MLX_HOTFIX_EXIT_CODE='0' is not an integer from 1 to 255; using 70" in result.stderr
+    assert ("MLX_HOTFIX_STALL_TIMEOUT='0' is not a number of seconds from 1 to 86400; "
+            "using 300.0") in result.stderr
     assert "MLX_HOTFIX_EXIT_GRACE='soon' is not a number of seconds" in result.stderr
 
 
