@@ -314,3 +314,28 @@ def test_reasons_are_short_and_say_how_far_along():
     assert "(1/3)" in verdicts[0].reason
     assert "3 failed probes in a row" in verdicts[2].reason
     assert all(len(v.reason) < 300 for v in verdicts)
+
+
+# -- delivery: the shim's "stalled" phase ------------------------------------------
+
+
+def test_a_stalled_heartbeat_is_wedged_at_the_first_failed_probe_though_fresh():
+    from mlx_watchdog.judge import STALLED_CAUSE
+
+    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1,
+                               in_flight=2)
+    [verdict] = run([TIMEOUT], cpu=CPU_BUSY, heartbeat=stalled)
+    assert verdict.state == WEDGED and verdict.restart and verdict.cause == STALLED_CAUSE
+    assert "stalled" in verdict.reason and "2 request(s) in flight" in verdict.reason
+
+
+def test_a_stalled_heartbeat_with_a_good_probe_is_healthy():
+    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1)
+    [verdict] = run([GOOD], heartbeat=stalled)
+    assert verdict.state == HEALTHY and not verdict.restart
+
+
+def test_a_stalled_heartbeat_in_the_boot_grace_is_starting():
+    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1)
+    [verdict] = run([TIMEOUT], heartbeat=stalled, booting=True)
+    assert verdict.state == STARTING and not verdict.restart

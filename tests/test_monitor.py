@@ -406,3 +406,56 @@ def test_watch_command_runs_until_sigterm(tmp_path):
     assert proc.returncode == 0, output
     assert read_state(state)["instances"]["gemma"]["state"] == HEALTHY
     assert '"event": "watch"' in output
+
+
+# -- the boot grace ends when the heartbeat says serving ---------------------------
+
+
+class FakeHeartbeat:
+    def __init__(self, reading=None):
+        self.reading = reading
+        self.resets = 0
+
+    def sample(self):
+        return self.reading
+
+    def reset(self):
+        self.resets += 1
+
+
+def _reading(phase, started, age=0.5):
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    return HeartbeatReading(age_s=age, advanced=True, phase=phase, beats=5, pid=7,
+                            started=started)
+
+
+def _booting_monitor(tmp_path, reading, probes):
+    monitor = make_monitor(tmp_path, probes, action=FakeAction(), boot_grace=600)
+    monitor.heartbeat = FakeHeartbeat(reading)
+    monitor.started()
+    return monitor
+
+
+def test_a_serving_heartbeat_of_the_new_process_ends_the_boot_grace(tmp_path, logs):
+    clock_at_start = 1000.0
+    monitor = _booting_monitor(tmp_path, _reading("serving", clock_at_start + 1, age=30),
+                               [TIMEOUT, TIMEOUT])
+    verdict = monitor.tick()
+    # Out of the grace at once: a stale heartbeat is judged, not waited out.
+    assert verdict.state == WEDGED and monitor.restarts == 1
+    assert monitor.record()["last_restart"]["cause"] == "heartbeat-stale"
+    assert "loaded" in [e["event"] for e in logs()]
+
+
+@pytest.mark.parametrize("reading", [
+    None,  # no heartbeat at all
+    ("loading", 1001.0),  # still loading
+    ("serving", 900.0),  # the previous process's file
+    ("serving", None),  # an older shim: no "started"
+])
+def test_the_boot_grace_holds_without_the_new_process_serving(tmp_path, reading):
+    beat = _reading(*reading, age=30) if reading else None
+    monitor = _booting_monitor(tmp_path, beat, [TIMEOUT, TIMEOUT])
+    assert [monitor.tick().state for _ in range(2)] == [STARTING, STARTING]
+    assert monitor.restarts == 0

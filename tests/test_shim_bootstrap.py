@@ -109,11 +109,11 @@ def test_a_raising_user_sitecustomize_is_reported_and_start_goes_on(envs, tmp_pa
 
 _NEW_PARTS = "; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied"
 EXPECTED_STATUS = {
-    "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; extend applied; advance applied"
-               "%s" % _NEW_PARTS),
-    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; extend skipped: PromptProcessingBatch."
-               "extend no longer pads logits processors with None (fixed upstream in 0.32.0); "
+    "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; heartbeat applied; extend applied; "
                "advance applied" + _NEW_PARTS),
+    "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; heartbeat applied; extend skipped: "
+               "PromptProcessingBatch.extend no longer pads logits processors with None "
+               "(fixed upstream in 0.32.0); advance applied" + _NEW_PARTS),
 }
 
 
@@ -138,17 +138,20 @@ def test_disable_list_and_unknown_names(envs):
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
-        "known names: exit, extend, advance, recover, disconnect",
-        "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; extend applied; "
+        "known names: exit, heartbeat, extend, advance, recover, disconnect",
+        "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
         "advance disabled" + _NEW_PARTS,
     ]
 
 
 def test_bad_numbers_are_named_and_defaults_used(envs):
     result = run_python("0.31.3", "import mlx_lm.server",
-                        env={"MLX_HOTFIX_EXIT_CODE": "0", "MLX_HOTFIX_EXIT_GRACE": "soon"})
+                        env={"MLX_HOTFIX_EXIT_CODE": "0", "MLX_HOTFIX_EXIT_GRACE": "soon",
+                             "MLX_HOTFIX_STALL_TIMEOUT": "0"})
     assert result.returncode == 0, result.stderr
     assert "MLX_HOTFIX_EXIT_CODE='0' is not an integer from 1 to 255; using 70" in result.stderr
+    assert ("MLX_HOTFIX_STALL_TIMEOUT='0' is not a number of seconds from 1 to 86400; "
+            "using 300.0") in result.stderr
     assert "MLX_HOTFIX_EXIT_GRACE='soon' is not a number of seconds" in result.stderr
 
 
@@ -178,6 +181,7 @@ def test_a_target_that_does_not_fit_is_skipped_and_the_server_still_loads(envs, 
     assert "exit skipped: APIHandler.handle_health_check is missing" in parts
     assert "extend applied" in parts
     assert "advance skipped: ArraysCache.advance is no longer the lazy '-=' (fixed upstream?)" in parts
+    assert "heartbeat skipped: APIHandler.handle_health_check is missing" in parts
 
 
 def test_hooks_fire_once_and_restore_the_loader(envs):

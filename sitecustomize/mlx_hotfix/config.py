@@ -1,7 +1,7 @@
 """The shim's settings, read once from the environment.
 
 MLX_HOTFIX=0                 the whole shim off (handled in sitecustomize.py)
-MLX_HOTFIX_DISABLE=a,b       turn off the named parts: exit, extend, advance
+MLX_HOTFIX_DISABLE=a,b       turn off the named parts (PARTS below)
 MLX_HOTFIX_DEBUG=1           verbose
 MLX_HOTFIX_EXIT_CODE=70      exit status after the generation thread dies
 MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
@@ -14,11 +14,12 @@ MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
 MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop in place
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
 MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
+MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
 """
 
 import os
 
-PARTS = ("exit", "extend", "advance", "recover", "disconnect")
+PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
@@ -56,6 +57,21 @@ class Config:
             environ, "MLX_HOTFIX_RECOVER_WINDOW", 600.0, float, lambda v: 0 < v <= 86400,
             "a number of seconds from 0 to 86400",
         )
+        # Longer than the longest single prefill step (see README, "Stalls").
+        self.stall_timeout = self._number(
+            environ, "MLX_HOTFIX_STALL_TIMEOUT", 300.0, float,
+            lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",
+        )
+        self.parent_pid = self._number(
+            environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
+        )
+        if self.exit_grace < MIN_EXIT_GRACE:
+            self.warnings.append(
+                "MLX_HOTFIX_EXIT_GRACE=%g is below the %g s needed to answer every waiting "
+                "client; using %g (the exit still goes as soon as all are answered)"
+                % (self.exit_grace, MIN_EXIT_GRACE, MIN_EXIT_GRACE)
+            )
+            self.exit_grace = MIN_EXIT_GRACE
 
     def _choice(self, environ, key, default, choices):
         raw = environ.get(key, "").strip().lower()
@@ -67,18 +83,6 @@ class Config:
             "%s=%r is not one of %s; using %r" % (key, raw, ", ".join(choices), default)
         )
         return default
-
-        self.parent_pid = self._number(
-            environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
-        )
-
-        if self.exit_grace < MIN_EXIT_GRACE:
-            self.warnings.append(
-                "MLX_HOTFIX_EXIT_GRACE=%g is below the %g s needed to answer every waiting "
-                "client; using %g (the exit still goes as soon as all are answered)"
-                % (self.exit_grace, MIN_EXIT_GRACE, MIN_EXIT_GRACE)
-            )
-            self.exit_grace = MIN_EXIT_GRACE
 
     def _parse_disable(self, raw):
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]

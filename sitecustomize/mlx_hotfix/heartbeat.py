@@ -1,21 +1,31 @@
-"""The generation loop's heartbeat, for watchdogs.
+"""The server's heartbeat: is anyone being served? State and writing only.
 
-The loop calls ``loop_iteration()`` on every pass, busy or idle (the exit
-patch wires it in). That costs an integer increment and a clock read; at most
-once per MLX_HOTFIX_HEARTBEAT_INTERVAL it also:
+The ``heartbeat`` patch (patches/heartbeat.py) feeds this module; other parts
+may call the small public functions too. Liveness is *delivery*, not loop
+turns: a loop that keeps turning while it delivers nothing (a livelock,
+upstream #1493) is as stuck as one that stopped.
 
-- rewrites MLX_HOTFIX_HEARTBEAT_FILE, when set, atomically, with one JSON
-  line: {"pid", "beats", "time", "phase"} (phase: "loading" or "serving");
-- pings systemd (WATCHDOG=1), when the service runs with NOTIFY_SOCKET and
-  WatchdogSec=.
+Fed by the patch:
+    generation_thread_started(generator)   top of ResponseGenerator._generate
+    loop_iteration()                       each pass of the generation loop
+    model_load()                           context manager around a model load
+    request_started() / request_finished() a client's request is waiting / done
+    delivered("prompt" | "token")          one item put on a response queue
+    cancelled()                            a request was cancelled
+    stop()                                 the generation thread died
 
-When the loop hangs, both stop: that is the signal. systemd also gets
-READY=1 once the model is loaded and the loop runs.
+Phases: "loading" until the model is loaded and the loop runs (and during a
+model load inside the loop); "stalled" when requests are in flight and
+nothing was delivered for MLX_HOTFIX_STALL_TIMEOUT seconds, or the loop has
+not turned for that long; "serving" otherwise.
 
-A model load inside the loop (a client asking for another model) is one long
-call with no iterations: ``model_load()`` marks it, and while it lasts a
-keeper thread writes phase "loading" and keeps systemd fed, so a watchdog
-applies its load limit instead of calling the loop stuck.
+At most once per MLX_HOTFIX_HEARTBEAT_INTERVAL the loop rewrites
+MLX_HOTFIX_HEARTBEAT_FILE (one JSON line, see ``record``) and systemd gets
+WATCHDOG=1 (READY=1 once). A light keeper thread decides the stall when the
+loop cannot (a hard hang), keeps the file fresh during a model load, and
+writes "stalled" while stalled. While stalled no WATCHDOG=1 is sent, so
+systemd's WatchdogSec= acts; when the loop hangs without requests in flight
+the file simply stops changing until the stall timeout, as before.
 """
 
 import json
@@ -25,13 +35,35 @@ import time
 
 from . import config
 
+LOADING, SERVING, STALLED = "loading", "serving", "stalled"
+
+_started = time.time()  # the shim's start in this process (first import of mlx_lm)
 _generation_ident = None
+_rank = None
 _loop_running = False
+_loading = False  # a model load is running on the generation thread
 _stopped = False
 _beats = 0
 _next_write = 0.0
 _notifier = None
-_write_lock = threading.Lock()  # the loop and the load keeper share the temp file
+_keeper = None
+_epoch = 0  # one per generation loop; a recovery starts the next
+_write_lock = threading.Lock()  # the loop and the keeper share the temp file
+_count_lock = threading.Lock()  # request threads start and finish requests
+
+# Delivery bookkeeping. The generation thread alone writes the delivery
+# counters; request threads change in_flight under _count_lock.
+_in_flight = 0
+_delivered = 0
+_prompt_tokens = 0
+_decode_tokens = 0
+_requests = 0
+_cancelled = 0
+_last_delivery = None  # unix time of the last delivery
+_last_delivery_mono = None
+_progress_mono = time.monotonic()  # last delivery, first request in flight, load end
+_beat_mono = time.monotonic()  # last loop turn
+_stalled = False
 
 
 def _systemd():
@@ -46,17 +78,47 @@ def _systemd():
     return _notifier or None
 
 
-def _write(phase):
+_who = None
+
+
+def _identity():
+    """{"rank", "host"}: which member of an mlx.launch group this is (group.py)."""
+    global _who
+    if _who is None:
+        from .group import identity
+
+        _who = identity()
+    return _who
+
+
+def record(phase):
+    """The heartbeat record (the contract other tools read; fields only grow)."""
+    return {
+        "pid": os.getpid(),
+        "started": _started,
+        "beats": _beats,
+        "time": time.time(),
+        "phase": phase,
+        "in_flight": _in_flight,
+        "delivered": _delivered,
+        "last_delivery": _last_delivery,
+        "prompt_tokens": _prompt_tokens,
+        "decode_tokens": _decode_tokens,
+        "requests": _requests,
+        "cancelled": _cancelled,
+        "rank": _rank if _rank is not None else _identity().get("rank"),
+        "host": _identity().get("host"),
+    }
+
+
+def _write(data):
+    """Write one record to the heartbeat file, atomically. Never raises."""
     path = config.current().heartbeat_file
-    if not path or _stopped:
+    if not path:
         return
-    if phase == "serving" and not listening():
-        phase = "loading"  # a loop without a listener serves nobody
-    record = {"pid": os.getpid(), "beats": _beats, "time": time.time(), "phase": phase}
-    record.update(_identity())  # "rank", "host": which member of a group
     with _write_lock:
         try:
-            write_atomically(path, json.dumps(record) + "\n")
+            write_atomically(path, json.dumps(data) + "\n")
         except OSError as exc:
             _warn_unwritable(path, exc)  # a full disk must not kill the loop
 
@@ -132,7 +194,8 @@ def listener_bound():
 
 
 def listening():
-    return _listener_bound or not _listener_hooked
+    # Only rank 0 of an mlx.launch group listens; the other ranks serve it.
+    return _listener_bound or not _listener_hooked or (_identity().get("rank") or 0) > 0
 
 
 def _announce_ready():
@@ -141,89 +204,217 @@ def _announce_ready():
         notifier.ready("serving")
 
 
-_who = None
+def _beat_file(phase):
+    if not _stopped and config.current().heartbeat_file:
+        _write(record(phase))
 
 
-def _identity():
-    global _who
-    if _who is None:
-        from .group import identity
+# -- the phase and the stall decision ----------------------------------------
 
-        _who = identity()
-    return _who
+
+def phase():
+    if not _loop_running or _loading or not listening():
+        return LOADING  # a loop without a listener serves nobody
+    return STALLED if _stalled else SERVING
+
+
+def _check_stall(now):
+    """Decide the stall at monotonic time now; returns whether stalled."""
+    global _stalled
+    if not _loop_running or _loading or _stopped:
+        stalled = False
+    else:
+        limit = config.current().stall_timeout
+        waiting = _in_flight > 0 and now - _progress_mono > limit
+        silent = now - _beat_mono > limit
+        stalled = waiting or silent
+    if stalled != _stalled:
+        _stalled = stalled
+        _announce(stalled, now)
+    return stalled
+
+
+def _announce(stalled, now):
+    from . import log
+
+    notifier = _systemd()
+    if stalled:
+        text = "stalled: %d request(s) in flight, nothing delivered for %.0fs" % (
+            _in_flight, now - _progress_mono)
+        if now - _beat_mono > config.current().stall_timeout:
+            text = "stalled: the generation loop has not turned for %.0fs" % (now - _beat_mono)
+        log.say(text + "; WATCHDOG=1 pings stop")
+    else:
+        text = "serving: delivering again"
+        log.say(text)
+    if notifier is not None:
+        notifier.status(text)
+
+
+def health():
+    """(status, body) for /health, or None to let the server answer."""
+    if _stopped:
+        return None
+    now = time.monotonic()
+    current = LOADING if (not _loop_running or _loading or not listening()) else (
+        STALLED if _check_stall(now) else SERVING)
+    if current == LOADING:
+        return 503, {"status": "loading"}
+    age = None if _last_delivery_mono is None else round(now - _last_delivery_mono, 3)
+    body = {"in_flight": _in_flight, "last_delivery_age_s": age}
+    if current == STALLED:
+        body = dict(status="stalled", stall_timeout_s=config.current().stall_timeout, **body)
+        return 503, body
+    return 200, dict(status="ok", **body)
+
+
+# -- fed by the patch ----------------------------------------------------------
 
 
 def generation_thread_started(generator):
     """Called at the top of ResponseGenerator._generate."""
-    global _generation_ident
+    global _generation_ident, _rank
     if threading.current_thread() is not getattr(generator, "_generation_thread", None):
         return
     _generation_ident = threading.get_ident()
-    _write("loading")
+    if getattr(generator, "_is_distributed", False):
+        _rank = getattr(generator, "_rank", None)
+    _beat_file(LOADING)
     notifier = _systemd()
     if notifier is not None:
         notifier.status("loading the model")
+    _start_keeper()
 
 
 def loop_running():
     return _loop_running
 
 
+def on_generation_thread():
+    return _generation_ident is not None and threading.get_ident() == _generation_ident
+
+
 class model_load:
-    """Context manager around ModelProvider.load on the generation thread."""
+    """Context manager around ModelProvider.load on the generation thread: a
+    load is one long call with no loop turns, and reads as loading (the
+    keeper keeps the file fresh and systemd fed meanwhile)."""
 
     def __enter__(self):
-        self._active = (
-            _generation_ident is not None and threading.get_ident() == _generation_ident
-            and not _stopped
-        )
+        global _loading
+        self._active = on_generation_thread() and not _stopped
         if self._active:
-            self._done = threading.Event()
-            _write("loading")
-            keeper = threading.Thread(target=self._keep, name="mlx-hotfix-load", daemon=True)
-            keeper.start()
+            _loading = True
+            _beat_file(LOADING)
         return self
 
-    def _keep(self):
-        interval = config.current().heartbeat_interval
-        while not self._done.wait(interval) and not _stopped:
-            _write("loading")
-            notifier = _systemd()
-            if notifier is not None:
-                notifier.watchdog_ping()
-
     def __exit__(self, *exc_info):
+        global _loading, _progress_mono, _beat_mono
         if self._active:
-            self._done.set()
-            if _loop_running and not _stopped:
-                _write("serving")
+            _progress_mono = _beat_mono = time.monotonic()
+            _loading = False
+            if _loop_running:
+                _beat_file(phase())
         return False
 
 
 def loop_iteration():
     """One pass of the generation loop: cheap, called very often."""
-    global _beats, _loop_running, _next_write
+    global _beats, _loop_running, _next_write, _beat_mono, _progress_mono
     if _stopped:
         return
     _beats += 1
+    now = time.monotonic()
+    _beat_mono = now
     notifier = _notifier if _notifier is not None else _systemd()
     notifier = notifier or None
     if not _loop_running:
+        _progress_mono = now
         _loop_running = True
         if notifier is not None and listening():
             notifier.ready("serving")
-    if notifier is not None:
+    if notifier is not None and not _stalled:
         notifier.watchdog_ping()  # rate-limited inside
-    now = time.monotonic()
     if now >= _next_write:
         _next_write = now + config.current().heartbeat_interval
-        _write("serving")
+        _check_stall(now)
+        _beat_file(phase())
 
 
-def beat_if_generation_thread():
-    """A token or reply leaving the generation thread is progress too."""
-    if _generation_ident is not None and threading.get_ident() == _generation_ident:
-        loop_iteration()
+def delivered(kind):
+    """One item for a client left the generation thread: "prompt" (a prompt
+    progress report) or "token" (a generated token)."""
+    global _delivered, _prompt_tokens, _decode_tokens, _last_delivery
+    global _last_delivery_mono, _progress_mono
+    now = time.monotonic()
+    _delivered += 1
+    if kind == "token":
+        _decode_tokens += 1
+    else:
+        _prompt_tokens += 1
+    _last_delivery = time.time()
+    _last_delivery_mono = _progress_mono = now
+    if _stalled:
+        _check_stall(now)
+
+
+def request_started():
+    global _in_flight, _progress_mono
+    with _count_lock:
+        if _in_flight == 0:
+            _progress_mono = time.monotonic()  # nothing was owed before
+        _in_flight += 1
+
+
+def request_finished():
+    """A request is done (completed, failed, or its client gone)."""
+    global _in_flight, _requests
+    with _count_lock:
+        _in_flight = max(0, _in_flight - 1)
+        _requests += 1
+
+
+def cancelled():
+    global _cancelled
+    with _count_lock:
+        _cancelled += 1
+
+
+def counters():
+    """A snapshot of the counters, for other parts (metrics, reports)."""
+    data = record(phase())
+    data["stalled"] = _stalled
+    return data
+
+
+# -- the keeper ------------------------------------------------------------------
+
+
+def _start_keeper():
+    global _keeper
+    if _keeper is not None:
+        return
+    _keeper = threading.Thread(target=_keep, args=(_epoch,), name="mlx-hotfix-heartbeat",
+                               daemon=True)
+    _keeper.start()
+
+
+def _keep(epoch):
+    settings = config.current()
+    tick = min(settings.heartbeat_interval, 1.0)
+    while not _stopped and epoch == _epoch:
+        time.sleep(tick)
+        if _stopped or epoch != _epoch:
+            return
+        try:
+            if _loading:
+                _beat_file(LOADING)
+                notifier = _systemd()
+                if notifier is not None:
+                    notifier.watchdog_ping()
+            elif _loop_running and _check_stall(time.monotonic()):
+                _beat_file(STALLED)  # the loop may be hung: say so from here
+        except Exception:  # noqa: BLE001 - the keeper must outlive any surprise
+            pass
 
 
 def stop():
@@ -245,15 +436,20 @@ def resume():
     Until the fresh loop's first pass (which sends READY=1 again), the
     recover part calls ``stand_in()`` so the heartbeat and systemd keep going.
     """
-    global _generation_ident, _loop_running, _stopped
+    global _generation_ident, _loop_running, _stopped, _stalled, _keeper, _epoch
+    global _progress_mono, _beat_mono
+    _epoch += 1  # the old keeper ends; the fresh loop starts its own
+    _keeper = None
     _generation_ident = None  # the dead thread's late calls are not progress
     _loop_running = False
+    _stalled = False
+    _progress_mono = _beat_mono = time.monotonic()
     _stopped = False
 
 
 def stand_in(text="recovering the generation loop"):
     """One beat while no loop runs: phase "loading", systemd fed."""
-    _write("loading")
+    _beat_file(LOADING)
     notifier = _systemd()
     if notifier is not None:
         notifier.status(text)

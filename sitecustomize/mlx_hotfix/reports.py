@@ -155,20 +155,9 @@ def capture_in_flight(handlers):
 
 
 def _heartbeat():
-    try:
-        from . import heartbeat
-    except Exception:  # noqa: BLE001
-        return None
-    counters = None
-    snapshot = getattr(heartbeat, "snapshot", None)  # richer shims (counters)
-    if callable(snapshot):
-        try:
-            counters = dict(snapshot())
-        except Exception:  # noqa: BLE001
-            counters = None
-    if counters is None:
-        counters = {"beats": getattr(heartbeat, "_beats", None),
-                    "loop_running": getattr(heartbeat, "_loop_running", None)}
+    from . import heartbeat
+
+    counters = dict(heartbeat.counters())
     try:
         from . import config
 

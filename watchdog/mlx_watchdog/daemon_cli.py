@@ -93,7 +93,7 @@ def _daemon_options(f: Callable) -> Callable:
     "--boot-grace",
     defaults.BOOT_GRACE_S,
     "Seconds after each start during which failures do not count (ends early at the "
-    "first good probe).",
+    "first good probe, or when the shim's heartbeat says the model is loaded and serving).",
     kind=_SECONDS_OR_ZERO,
 )
 @_number_option(

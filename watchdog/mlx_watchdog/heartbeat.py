@@ -4,10 +4,15 @@ With MLX_HOTFIX_HEARTBEAT_FILE=/path in the server's environment, the shim
 rewrites that file (atomically, at most once a second) each time the
 generation loop iterates, busy or idle:
 
-    {"pid": 123, "beats": 4567, "time": 1700000000.5, "phase": "serving"}
+    {"pid": 123, "started": 1699999000.1, "beats": 4567, "time": 1700000000.5,
+     "phase": "serving", "in_flight": 2, "delivered": 90123,
+     "last_delivery": 1700000000.4, ...}
 
-``beats`` only grows; ``phase`` is "loading" or "serving". When the loop hangs
-the file stops changing, which is the most direct sign of a wedge there is.
+``beats`` only grows; ``phase`` is "loading", "serving" or "stalled" (requests
+in flight and nothing delivered for the shim's MLX_HOTFIX_STALL_TIMEOUT). When
+the loop hangs the file stops changing, which is the most direct sign of a
+wedge there is. Older shims write only pid, beats, time and phase: every
+other field is optional.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from .safefile import open_regular
 
 LOADING = "loading"
 SERVING = "serving"
+STALLED = "stalled"
 _MAX_BYTES = 4096
 
 
@@ -32,6 +38,9 @@ class Heartbeat:
     beats: int
     time: float  # unix time of the write
     phase: str
+    started: Optional[float] = None  # unix time the shim started in that process
+    in_flight: Optional[int] = None
+    delivered: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class HeartbeatReading:
     phase: str
     beats: int
     pid: int
+    started: Optional[float] = None
+    in_flight: Optional[int] = None
 
 
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
@@ -56,9 +67,15 @@ def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
     pid, beats, stamp, phase = (data.get(k) for k in ("pid", "beats", "time", "phase"))
     if not (_is_int(pid) and _is_int(beats) and isinstance(phase, str)):
         return None
-    if not (_is_int(stamp) or isinstance(stamp, float)):
+    if not _is_number(stamp):
         return None
-    return Heartbeat(pid=pid, beats=beats, time=float(stamp), phase=phase)
+    started, in_flight, delivered = (data.get(k) for k in ("started", "in_flight", "delivered"))
+    return Heartbeat(
+        pid=pid, beats=beats, time=float(stamp), phase=phase,
+        started=float(started) if _is_number(started) else None,
+        in_flight=in_flight if _is_int(in_flight) else None,
+        delivered=delivered if _is_int(delivered) else None,
+    )
 
 
 def _read_regular_file(path: "str | os.PathLike[str]") -> bytes:
@@ -121,6 +138,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
 class HeartbeatTracker:
     """Reads the heartbeat each tick and remembers the last one to spot progress.
 
@@ -171,6 +192,8 @@ class HeartbeatTracker:
             phase=beat.phase,
             beats=beat.beats,
             pid=beat.pid,
+            started=beat.started,
+            in_flight=beat.in_flight,
         )
 
     def _judged(self, beat: Optional[Heartbeat]):

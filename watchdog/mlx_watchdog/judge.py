@@ -42,8 +42,19 @@ state, a short reason, and whether to restart. The rule:
    d. No heartbeat and no process to look at (a remote server): a timeout is
       taken as busy, limited by `max_busy`; a wrong answer (5xx, garbage, no
       tokens) counts towards **wedged** after `failures` in a row.
+   e. Heartbeat phase "stalled" (shim: requests in flight and nothing
+      delivered for its MLX_HOTFIX_STALL_TIMEOUT, or the loop has not turned
+      for that long): **wedged** at the first failed probe, cause "stalled".
+      The loop may still turn (a livelock, upstream #1493): beats alone are
+      not progress, deliveries are. A saturated server keeps delivering and
+      is never stalled.
    Until one of these limits is reached, a failure without progress is
    **failing** (not yet acted on).
+
+The boot grace (2) ends at the first good probe, or as soon as the heartbeat
+of the new process says the model is loaded and the loop serving
+(monitor.py), so a hang right after start-up is judged within the normal
+budget instead of waiting the grace out.
 
 **crash-looping** is not decided here: the restart policy (act.RestartPolicy)
 refuses restarts after too many in a window and the monitor reports that.
@@ -55,7 +66,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import defaults
-from .heartbeat import LOADING, HeartbeatReading
+from .heartbeat import LOADING, STALLED, HeartbeatReading
 from .probe import UNREACHABLE, ProbeResult
 
 STARTING = "starting"
@@ -75,6 +86,7 @@ HEARTBEAT_STALE = "heartbeat-stale"
 NO_PROGRESS = "no-progress"
 BAD_ANSWER = "bad-answer"
 BUSY_TOO_LONG = "busy-too-long"
+STALLED_CAUSE = "stalled"  # requests in flight, nothing delivered (shim heartbeat)
 EXITED = "exited"  # used by the supervisor when its child exits
 PORT_TAKEN = "port-taken"  # another process holds the server's port
 
@@ -143,6 +155,16 @@ class Judge:
 
     def _look_for_progress(self, evidence: Evidence) -> Verdict:
         probe, beat = evidence.probe, evidence.heartbeat
+        if beat is not None and beat.phase == STALLED:
+            # The shim has already waited its stall timeout: the verdict is in.
+            self._stalled += 1
+            waiting = f"{beat.in_flight} request(s) in flight, " if beat.in_flight else ""
+            return Verdict(
+                WEDGED,
+                f"{probe.reason}; heartbeat says stalled ({waiting}nothing delivered)",
+                True,
+                STALLED_CAUSE,
+            )
         if beat is not None and beat.phase == LOADING:
             self._stalled = 0
             return self._busy(evidence, f"{probe.reason}; loading a model")

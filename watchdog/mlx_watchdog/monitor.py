@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Protocol
 
 from .act import ActionResult
 from .policy import RestartPolicy
-from .heartbeat import HeartbeatTracker
+from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
 from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
@@ -96,6 +96,7 @@ class Monitor:
         self._newest_report: Optional[Dict[str, Any]] = None
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
+        self._boot_wall = wall_clock()  # when the current server was (re)started
 
     def started(self) -> None:
         """The server (re)started outside of a restart by this monitor."""
@@ -113,6 +114,9 @@ class Monitor:
         port_held_by = self.listener(probe) if self.listener else None
         self._observe_server()
         now = self.clock()
+        if self._loaded(beat) and self.policy.in_grace(now):
+            self.policy.end_grace(now)
+            self.events.info("loaded", "the heartbeat says serving: boot grace over")
         verdict = self.judge.observe(
             Evidence(
                 probe=probe,
@@ -248,8 +252,22 @@ class Monitor:
             self.events.warning("heartbeat", problem)
         self._heartbeat_problem = problem
 
+    # A process that started up to this long before the (re)start was noted
+    # is the new one (the supervisor spawns, then notes the start).
+    _START_SLACK_S = 2.0
+
+    def _loaded(self, beat: Optional[HeartbeatReading]) -> bool:
+        """The heartbeat is the new server's, and it is loaded and serving."""
+        return (
+            beat is not None
+            and beat.phase in (SERVING, STALLED)
+            and beat.started is not None
+            and beat.started >= self._boot_wall - self._START_SLACK_S
+        )
+
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.
+        self._boot_wall = self.wall_clock()
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

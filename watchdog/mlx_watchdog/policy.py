@@ -8,7 +8,8 @@ Like Kubernetes' CrashLoopBackOff, but quicker to recover and never a reason
 to stop: a server that is down for good is the outage we exist to end.
 
 - Boot grace: after each start, failures do not count for `boot_grace_s` (or
-  until the first good probe, whichever comes first).
+  until the first good probe, or until the heartbeat says the new server is
+  loaded and serving: `end_grace`, whichever comes first).
 - Backoff: the first restart of an episode is immediate; after n restarts in
   a row the next waits `backoff_initial_s * 2**(n-1)`, at most
   `backoff_max_s`, counted from when the restart was first wanted (the exit,
@@ -67,6 +68,11 @@ class RestartPolicy:
         """A server process (re)started now: its boot grace begins."""
         self._grace_until = now + self.boot_grace_s
         self._healthy_since = None
+
+    def end_grace(self, now: float) -> None:
+        """The new server is loaded and serving (its heartbeat says so):
+        failures count from now on, before any probe has succeeded."""
+        self._grace_until = None
 
     def healthy(self, now: float) -> None:
         """A probe succeeded: the boot is over; a long enough healthy run

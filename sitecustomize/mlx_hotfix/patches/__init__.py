@@ -6,6 +6,8 @@ A patch module defines:
     REASON    why, with the upstream issue numbers
     VERSIONS  (first, tested_below): the mlx-lm releases it was tested on
     FIXED_IN  the release that fixed it upstream, or None
+    KIND      "fail-safe" (observes or exits, changes no result: applies past
+              the tested releases whenever the shape fits) or "fix"
     TEST      the test that reproduces the bug on stock and proves the fix
     KIND      "fail-safe" (turns a failure into a clean exit or a signal) or
               "fix" (changes what stock code computes)
@@ -26,9 +28,9 @@ The shape decides, the version only labels (evidence: every release from
 import sys
 
 from .. import _hooks, config, log
-from . import advance, disconnect, exit_on_death, extend, recover
+from . import advance, disconnect, exit_on_death, extend, heartbeat, recover
 
-PATCHES = (exit_on_death, extend, advance, recover, disconnect)
+PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"

@@ -23,7 +23,7 @@ qwen3_next; values identical to stock after filter/extend/merge/extract and
 state save/restore; the stale graph stays one node deep).
 """
 
-from .exit_on_death import _MARK, _wrap
+from .._wrap import _MARK, _wrap
 
 NAME = "advance"
 TARGET = "mlx_lm.models.cache"

@@ -31,7 +31,8 @@ import socket
 import threading
 
 from .. import heartbeat, log
-from .exit_on_death import _MARK, _wrap
+from .._wrap import _MARK
+from .._wrap import _wrap as _wrap_as
 
 NAME = "disconnect"
 TARGET = "mlx_lm.server"
@@ -205,7 +206,7 @@ def _make_hangup_queue(base):
 
     _HangupQueue.__name__ = base.__name__
     _HangupQueue.__qualname__ = base.__qualname__
-    setattr(_HangupQueue, _MARK, True)
+    setattr(_HangupQueue, _MARK, NAME)
     return _HangupQueue
 
 
@@ -238,6 +239,10 @@ def _wrap_generate(original):
         return result
 
     return _wrap(original, generate)
+
+
+def _wrap(function, wrapper):
+    return _wrap_as(function, wrapper, NAME)
 
 
 # -- gate and apply ----------------------------------------------------------------

@@ -44,6 +44,8 @@ import time
 import weakref
 
 from .. import config, heartbeat, log, reports
+from .._wrap import _MARK, wrapped_by
+from .._wrap import _wrap as _wrap_as
 from . import loop_shapes
 
 NAME = "exit"
@@ -53,8 +55,6 @@ VERSIONS = ("0.28.4", "0.33.0")  # the generation thread arrived in 0.28.4
 FIXED_IN = None
 TEST = "tests/test_shim_exit.py"
 KIND = "fail-safe"
-
-_MARK = "__mlx_hotfix_wrapped__"
 
 
 class GenerationThreadDied(BaseException):
@@ -222,10 +222,6 @@ def _make_watched_queue(base):
             super().__init__(*args, **kwargs)
             lifeline.watch_queue(self)
 
-        def put(self, item, block=True, timeout=None):
-            heartbeat.beat_if_generation_thread()
-            super().put(item, block, timeout)
-
         def get(self, block=True, timeout=None):
             item = super().get(block, timeout)
             if item is _SENTINEL:
@@ -235,27 +231,23 @@ def _make_watched_queue(base):
 
     _WatchedQueue.__name__ = base.__name__
     _WatchedQueue.__qualname__ = base.__qualname__
-    setattr(_WatchedQueue, _MARK, True)
+    setattr(_WatchedQueue, _MARK, NAME)
     return _WatchedQueue
 
 
 def _wrap(function, wrapper):
-    wrapper.__name__ = function.__name__
-    wrapper.__qualname__ = getattr(function, "__qualname__", function.__name__)
-    wrapper.__doc__ = function.__doc__
-    wrapper.__wrapped__ = function
-    setattr(wrapper, _MARK, True)
-    return wrapper
+    return _wrap_as(function, wrapper, NAME)
 
 
 def _wrap_generate_loop(original):
     def _generate(self, *args, **kwargs):
-        heartbeat.generation_thread_started(self)
         try:
             return original(self, *args, **kwargs)
         except BaseException as exc:
             if threading.current_thread() is getattr(self, "_generation_thread", None):
-                lifeline.die(self, exc, during_startup=not heartbeat.loop_running())
+                loaded = getattr(getattr(self, "model_provider", None), "model", None)
+                during_startup = loaded is None and not heartbeat.loop_running()
+                lifeline.die(self, exc, during_startup=during_startup)
             raise
 
     return _wrap(original, _generate)
@@ -268,23 +260,6 @@ def _wrap_generate_request(original):
         return original(self, *args, **kwargs)
 
     return _wrap(original, generate)
-
-
-def _wrap_loop_turn(original):
-    # One pass of the generation loop (loop_shapes.loop_hooks), any shape.
-    def loop_turn(self, *args, **kwargs):
-        heartbeat.loop_iteration()
-        return original(self, *args, **kwargs)
-
-    return _wrap(original, loop_turn)
-
-
-def _wrap_model_load(original):
-    def load(self, *args, **kwargs):
-        with heartbeat.model_load():
-            return original(self, *args, **kwargs)
-
-    return _wrap(original, load)
 
 
 def _wrap_end_headers(original):
@@ -423,27 +398,6 @@ def _make_main_thread_excepthook(previous):
     return excepthook
 
 
-def _wrap_server_activate(original):
-    # HTTPServer binds in __init__ and then listens here: from now on the
-    # server can take clients, which "serving" and READY=1 need.
-    def server_activate(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        if _serves_mlx_lm(self):
-            heartbeat.listener_bound()
-        return result
-
-    return _wrap(original, server_activate)
-
-
-def _serves_mlx_lm(httpd):
-    """The listener's handler factory comes from mlx_lm's server.py (any launch form)."""
-    factory = getattr(httpd, "RequestHandlerClass", None)
-    code = getattr(factory, "__code__", None)
-    filename = getattr(code, "co_filename", None) or getattr(
-        sys.modules.get(getattr(factory, "__module__", None) or ""), "__file__", "")
-    return str(filename).replace(os.sep, "/").endswith("mlx_lm/server.py")
-
-
 # -- gate and apply ----------------------------------------------------------
 
 _RESPONSE_GENERATOR_METHODS = ("_generate", "generate")
@@ -463,7 +417,7 @@ def check_shape(server):
         for name in names:
             if not callable(getattr(owner, name, None)):
                 return "%s.%s is missing" % (owner.__name__, name)
-    if getattr(getattr(generator, "_generate"), _MARK, False):
+    if wrapped_by(generator._generate, NAME):
         return "already applied"
     queue_class = getattr(server, "Queue", None)
     if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
@@ -474,7 +428,6 @@ def check_shape(server):
 def apply(server):
     generator = server.ResponseGenerator
     handler = server.APIHandler
-    provider = getattr(server, "ModelProvider", None)
     replacements = [
         (server, "Queue", _make_watched_queue(server.Queue)),
         (generator, "_generate", _wrap_generate_loop(generator._generate)),
@@ -484,20 +437,9 @@ def apply(server):
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
         (handler, "end_headers", _wrap_end_headers(handler.end_headers)),
     ]
-    for owner, name in loop_shapes.loop_hooks(server):
-        replacements.append((owner, name, _wrap_loop_turn(getattr(owner, name))))
-    if provider is not None and callable(getattr(provider, "load", None)):
-        replacements.append((provider, "load", _wrap_model_load(provider.load)))
     replacements.append((generator, "__init__", _wrap_generator_init(generator.__init__)))
     if not getattr(sys.excepthook, _MARK, False):
         replacements.append((sys, "excepthook", _make_main_thread_excepthook(sys.excepthook)))
-    listener = getattr(server, "ThreadingHTTPServer", None)
-    if isinstance(listener, type) and callable(getattr(listener, "server_activate", None)):
-        if not getattr(listener.server_activate, _MARK, False):
-            replacements.append(
-                (listener, "server_activate", _wrap_server_activate(listener.server_activate)))
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)
-    if any(name == "server_activate" for _, name, _ in replacements):
-        heartbeat.watch_listener()

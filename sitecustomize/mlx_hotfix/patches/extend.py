@@ -18,7 +18,7 @@ Test: tests/test_patch_extend.py (the two-request crash on the stock 0.31.3
 server, off and on).
 """
 
-from .exit_on_death import _MARK, _wrap
+from .._wrap import _MARK, _wrap
 
 NAME = "extend"
 TARGET = "mlx_lm.generate"

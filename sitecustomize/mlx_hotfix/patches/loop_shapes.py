@@ -19,8 +19,8 @@ Read from every release's server.py (README "Patches by release"):
   ``_generate``; the thread target changes, the loop does not).
 
 ``loop_hooks(server)`` gives the (owner, method name) pairs to wrap for "one
-pass of the loop", whichever shape it is; the ``exit`` part wires the
-heartbeat through them here, and the ``heartbeat`` part can reuse them.
+pass of the loop", whichever shape it is; the ``heartbeat`` part wires
+the heartbeat through them, and ``exit`` checks the shape with them.
 Stdlib only, like the rest of the shim.
 """
 

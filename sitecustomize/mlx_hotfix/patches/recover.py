@@ -36,6 +36,7 @@ import threading
 import time
 
 from .. import config, heartbeat, log
+from .._wrap import wrapped_by
 from . import exit_on_death
 
 NAME = "recover"
@@ -257,7 +258,7 @@ def check_shape(server):
     generator = getattr(server, "ResponseGenerator", None)
     if generator is None:
         return "mlx_lm.server has no ResponseGenerator"
-    if not getattr(getattr(generator, "_generate", None), exit_on_death._MARK, False):
+    if not wrapped_by(getattr(generator, "_generate", None), exit_on_death.NAME):
         return "needs the exit part (it answers the clients and calls this part)"
     if getattr(server, "LRUPromptCache", None) is None:
         return "mlx_lm.server has no LRUPromptCache"

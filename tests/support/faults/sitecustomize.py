@@ -8,10 +8,13 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
     spin:<where>[:<after>]           loop forever there, burning CPU
     hold:<where>[:<after>]           wait there (0% CPU) until MLX_TEST_FAULT_RELEASE_FILE
                                      exists, then carry on: a slow model load, say
+    livelock:batch[:<after>]         BatchGenerator.next returns no responses,
+                                     forever: the loop turns, nothing is
+                                     delivered (upstream #1493)
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
-step (BatchGenerator.next: every threaded release, 0.28.4 on).
+step or batch (BatchGenerator.next: every threaded release, 0.28.4 on).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
 reported upstream, with their real messages).
 
@@ -56,6 +59,7 @@ _TARGETS = {
     "extract_cache": ("mlx_lm.generate", "BatchGenerator", "extract_cache"),
     # One batched step, the same method in every threaded release (0.28.4+).
     "step": ("mlx_lm.generate", "BatchGenerator", "next"),
+    "batch": ("mlx_lm.generate", "BatchGenerator", "next"),
 }
 
 
@@ -65,7 +69,7 @@ def _parse(spec):
     if action == "raise":
         kind, where = parts[1], parts[2]
         after = int(parts[3]) if len(parts) > 3 else 0
-    elif action in ("hang", "spin", "hold"):
+    elif action in ("hang", "spin", "hold", "livelock"):
         kind, where = None, parts[1]
         after = int(parts[2]) if len(parts) > 2 else 0
     else:
@@ -89,6 +93,9 @@ def _inject(module, action, kind, where, after):
     calls = [0]
 
     def faulty(*args, **kwargs):
+        if action == "livelock" and calls[0] > after:  # once struck, for good
+            time.sleep(0.002)  # a real livelock spins; spare the shared CPU
+            return [], []
         if _armed():
             calls[0] += 1
             if calls[0] > after:
@@ -103,6 +110,8 @@ def _inject(module, action, kind, where, after):
                 if action == "raise":
                     error, message = _MESSAGES[kind]
                     raise error(message)
+                if action == "livelock":
+                    return [], []
                 if action == "hang":
                     import threading
 

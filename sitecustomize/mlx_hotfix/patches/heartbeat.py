@@ -1,0 +1,260 @@
+"""heartbeat: liveness from delivered tokens, a heartbeat file, sd_notify and
+a truthful /health, whether or not the ``exit`` part is on.
+
+Reason: ml-explore/mlx-lm#1493 (a livelock: the loop turns, nothing is
+delivered) and #1505 (a dead or hung loop that /health calls healthy). Stock
+0.31.x and 0.32.x answer /health 200 while the model is still loading, 0.31.x
+also after the generation thread died, and neither knows whether anyone is
+being served.
+
+How (the mechanism is mlx_hotfix.heartbeat; this module only wires it):
+- ``ResponseGenerator._generate``: the generation thread starts (phase
+  "loading", the keeper thread starts).
+- ``ResponseGenerator._next_request`` and ``TimeBudget.__next__``: one loop
+  turn each (READY=1 once, WATCHDOG=1, the heartbeat file).
+- ``ModelProvider.load``: a model load reads as loading, not as a stuck loop.
+- ``Queue`` (the server module's): an item put by the generation thread is a
+  loop turn, and a delivery when it is for a client: a tuple is a prompt
+  progress report, a ``Response`` is a generated token.
+- ``ResponseGenerator.generate``: a request is in flight from here until its
+  stream ends, or ``APIHandler.handle_completion`` returns, whichever is first
+  (a client that hangs up mid-stream is finished too).
+- ``APIHandler.handle_health_check``: 503 loading / 200 ok / 503 stalled /
+  503 unavailable after a death (the ``exit`` part, when on, answers that).
+
+Gate: shape only, no upper version bound (a fail-safe part: it observes, it
+changes no result). Off switch: MLX_HOTFIX_DISABLE=heartbeat.
+
+Test: tests/test_shim_stall.py (livelock, /health, sd_notify with exit off),
+tests/test_shim_heartbeat.py, tests/test_sdnotify_server.py.
+"""
+
+import json
+import os
+import queue
+import sys
+import threading
+
+from .. import heartbeat
+from .._wrap import _wrap, wrapped_by
+from . import loop_shapes
+
+NAME = "heartbeat"
+KIND = "fail-safe"
+TARGET = "mlx_lm.server"
+REASON = ("ml-explore/mlx-lm#1493, #1505: a livelocked, hung or loading server "
+          "looks healthy")
+VERSIONS = ("0.31.0", "0.33.0")  # tested range; a fail-safe part applies beyond it
+FIXED_IN = None
+TEST = "tests/test_shim_stall.py"
+
+_local = threading.local()  # the requests a handler thread opened
+
+
+class _Request:
+    """One client's request in flight; finished exactly once."""
+
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = False
+        heartbeat.request_started()
+        opened = getattr(_local, "opened", None)
+        if opened is not None:
+            opened.append(self)
+
+    def finish(self):
+        if not self.done:
+            self.done = True
+            heartbeat.request_finished()
+
+
+def _until_done(stream, request):
+    try:
+        yield from stream
+    finally:
+        request.finish()
+
+
+def _make_delivery_queue(base, response_class):
+    class _DeliveryQueue(base):
+        """Counts what the generation thread puts for clients."""
+
+        def put(self, item, block=True, timeout=None):
+            if heartbeat.on_generation_thread():
+                if isinstance(item, response_class):
+                    heartbeat.delivered("token")
+                elif isinstance(item, tuple):
+                    heartbeat.delivered("prompt")
+                heartbeat.loop_iteration()  # a long single-request stream turns no loop
+            super().put(item, block, timeout)
+
+    _DeliveryQueue.__name__ = base.__name__
+    _DeliveryQueue.__qualname__ = base.__qualname__
+    _wrap(base.put, _DeliveryQueue.put, NAME)
+    return _DeliveryQueue
+
+
+def _wrap_generate_loop(original):
+    def _generate(self, *args, **kwargs):
+        heartbeat.generation_thread_started(self)
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, _generate, NAME)
+
+
+def _wrap_loop_turn(original):
+    def turn(self, *args, **kwargs):
+        heartbeat.loop_iteration()
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, turn, NAME)
+
+
+def _wrap_model_load(original):
+    def load(self, *args, **kwargs):
+        with heartbeat.model_load():
+            return original(self, *args, **kwargs)
+
+    return _wrap(original, load, NAME)
+
+
+def _wrap_generate_request(original):
+    def generate(self, *args, **kwargs):
+        request = _Request()
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            request.finish()
+            raise
+        if isinstance(result, tuple) and len(result) == 2:
+            ctx, stream = result
+            return ctx, _until_done(stream, request)
+        return result  # an unknown shape: handle_completion finishes it
+
+    return _wrap(original, generate, NAME)
+
+
+def _wrap_handle_completion(original):
+    def handle_completion(self, *args, **kwargs):
+        outer = getattr(_local, "opened", None)
+        _local.opened = []
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for request in _local.opened:
+                request.finish()
+            _local.opened = outer
+
+    return _wrap(original, handle_completion, NAME)
+
+
+def _generation_dead(handler):
+    generator = getattr(handler, "response_generator", None)
+    thread = getattr(generator, "_generation_thread", None)
+    if getattr(generator, "_generation_failed", False):
+        return True
+    return thread is not None and not thread.is_alive()
+
+
+def _wrap_health(original):
+    def handle_health_check(self, *args, **kwargs):
+        answer = heartbeat.health()
+        if answer is None:  # the exit part took over after a death
+            return original(self, *args, **kwargs)
+        if _generation_dead(self):
+            answer = 503, {"status": "unavailable", "error": "generation thread died"}
+        status, body = answer
+        _send_json(self, status, body)
+
+    return _wrap(original, handle_health_check, NAME)
+
+
+def _send_json(handler, status, body):
+    data = json.dumps(body).encode()
+    set_headers = getattr(handler, "_set_completion_headers", None)
+    if set_headers is not None:
+        set_headers(status)  # stock: status line, JSON type, CORS
+    else:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    if status == 503:
+        handler.send_header("Retry-After", "5")
+    handler.end_headers()
+    handler.wfile.write(data)
+    handler.wfile.flush()
+
+
+def _wrap_server_activate(original):
+    # HTTPServer binds in __init__ and then listens here: from now on the
+    # server can take clients, which "serving" and READY=1 need.
+    def server_activate(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _serves_mlx_lm(self):
+            heartbeat.listener_bound()
+        return result
+
+    return _wrap(original, server_activate, NAME)
+
+
+def _serves_mlx_lm(httpd):
+    """The listener's handler factory comes from mlx_lm's server.py (any launch form)."""
+    factory = getattr(httpd, "RequestHandlerClass", None)
+    code = getattr(factory, "__code__", None)
+    filename = getattr(code, "co_filename", None) or getattr(
+        sys.modules.get(getattr(factory, "__module__", None) or ""), "__file__", "")
+    return str(filename).replace(os.sep, "/").endswith("mlx_lm/server.py")
+
+
+# -- gate and apply ----------------------------------------------------------
+
+
+def check_shape(server):
+    why = loop_shapes.check_shape(server)  # the loop's per-pass hook points, any shape
+    if why is not None:
+        return why
+    generator = server.ResponseGenerator
+    handler = getattr(server, "APIHandler", None)
+    if handler is None:
+        return "mlx_lm.server has no APIHandler"
+    for owner, names in ((generator, ("_generate", "generate")),
+                         (handler, ("handle_completion", "handle_health_check"))):
+        for name in names:
+            if not callable(getattr(owner, name, None)):
+                return "%s.%s is missing" % (owner.__name__, name)
+    if wrapped_by(generator._generate, NAME):
+        return "already applied"
+    queue_class = getattr(server, "Queue", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
+        return "mlx_lm.server does not use queue.Queue for responses"
+    if not isinstance(getattr(server, "Response", None), type):
+        return "mlx_lm.server has no Response class to count tokens by"
+    return None
+
+
+def apply(server):
+    generator = server.ResponseGenerator
+    handler = server.APIHandler
+    provider = getattr(server, "ModelProvider", None)
+    replacements = [
+        (server, "Queue", _make_delivery_queue(server.Queue, server.Response)),
+        (generator, "_generate", _wrap_generate_loop(generator._generate)),
+        (generator, "generate", _wrap_generate_request(generator.generate)),
+        (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
+        (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
+    ]
+    for owner, name in loop_shapes.loop_hooks(server):
+        replacements.append((owner, name, _wrap_loop_turn(getattr(owner, name))))
+    if provider is not None and callable(getattr(provider, "load", None)):
+        replacements.append((provider, "load", _wrap_model_load(provider.load)))
+    listener = getattr(server, "ThreadingHTTPServer", None)
+    if isinstance(listener, type) and callable(getattr(listener, "server_activate", None)):
+        if not wrapped_by(listener.server_activate, NAME):
+            replacements.append(
+                (listener, "server_activate", _wrap_server_activate(listener.server_activate)))
+    # Built first, assigned last: a failure above leaves the server untouched.
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    if any(name == "server_activate" for _, name, _ in replacements):
+        heartbeat.watch_listener()

@@ -1,0 +1,130 @@
+"""Liveness from delivered tokens, on the real stock servers (shim, no watchdog).
+
+A livelock (upstream #1493: the loop turns, ``BatchGenerator.next`` returns
+nothing, forever) keeps the loop's pulse going; only deliveries tell. The
+shim's /health must say so, its heartbeat must say "stalled", and systemd's
+WATCHDOG=1 pings must stop. A loading server is not ready; an idle one and a
+long healthy decode are fine. Stock says 200 in every one of these cases.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from tests.conftest import fault_env
+from tests.support.server import VERSIONS, BackgroundRequest
+from tests.test_sdnotify_server import FakeSystemd
+
+pytestmark = pytest.mark.server
+
+STALL_S = 3  # short, for speed: the tiny model's single steps take milliseconds
+
+
+def health(server):
+    response = requests.get(f"{server.url}/health", timeout=10)
+    return response.status_code, response.json()
+
+
+def read(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_for_log(server, text, timeout=60):
+    wait_for(lambda: text in server.log(), timeout, f"{text!r} in the server log\n{server.log()}")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_health_is_ok_idle_and_decoding_and_503_stalled_in_a_livelock(
+        servers, tiny_llama, tmp_path, version):
+    arm, beat_file = tmp_path / "arm", tmp_path / "heartbeat.json"
+    env = fault_env("livelock:batch", arm)
+    env.update({"MLX_HOTFIX_STALL_TIMEOUT": str(STALL_S),
+                "MLX_HOTFIX_HEARTBEAT_FILE": str(beat_file),
+                "MLX_HOTFIX_HEARTBEAT_INTERVAL": "0.2"})
+    server = servers(version, tiny_llama, env=env)
+    server.warm_up()
+
+    time.sleep(STALL_S + 1)  # idle for longer than the stall timeout: nobody waits
+    status, body = health(server)
+    assert (status, body["status"], body["in_flight"]) == (200, "ok", 0), body
+
+    # A long healthy decode, longer than the stall timeout: 200 all through.
+    answers = []
+    decode = BackgroundRequest(lambda: server.chat("a long one", max_tokens=4000, timeout=300))
+    while not decode.join(0.3):
+        answers.append(health(server))
+    assert decode.status == 200 and decode.json()["usage"]["completion_tokens"] == 4000, decode
+    assert answers and all(a[0] == 200 and a[1]["status"] == "ok" for a in answers), answers
+    assert any(a[1]["in_flight"] >= 1 for a in answers), answers
+    wait_for(lambda: read(beat_file)["decode_tokens"] >= 4000, 30, "the tokens counted")
+
+    arm.touch()
+    BackgroundRequest(lambda: server.chat("this one livelocks", max_tokens=50, timeout=120))
+    wait_for_log(server, "mlx-test-fault: livelock at batch")
+    status, body = wait_for(lambda: (lambda a: a if a[0] == 503 else None)(health(server)),
+                            STALL_S + 30, "/health to say 503")
+    assert body["status"] == "stalled" and body["in_flight"] >= 1, body
+    beat = wait_for(lambda: (lambda b: b if b and b["phase"] == "stalled" else None)(
+        read(beat_file)), 30, "the heartbeat to say stalled")
+    assert beat["in_flight"] >= 1 and beat["pid"] == server.proc.pid
+    first = beat["beats"]
+    wait_for(lambda: read(beat_file)["beats"] > first, 30, "the loop to go on turning")
+    assert server.alive()
+
+
+def test_health_says_loading_until_the_model_is_loaded(servers, tiny_llama, tmp_path):
+    # The model load hangs: stock 0.32.2 says 200 here (0.31.3 too).
+    env = fault_env("hang:load")
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.wait_listening()
+    wait_for_log(server, "mlx-test-fault: hang at load")
+    status, body = health(server)
+    assert (status, body) == (503, {"status": "loading"})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_ready_and_pings_with_exit_disabled_and_pings_stop_when_stalled(
+        servers, tiny_llama, tmp_path, version):
+    fake = FakeSystemd(tmp_path / "notify.sock")
+    try:
+        arm = tmp_path / "arm"
+        env = fault_env("livelock:batch", arm)
+        env.update({"NOTIFY_SOCKET": fake.path, "WATCHDOG_USEC": "1000000",
+                    "MLX_HOTFIX_DISABLE": "exit", "MLX_HOTFIX_STALL_TIMEOUT": str(STALL_S)})
+        server = servers(version, tiny_llama, env=env)
+        assert fake.wait_for("READY=1"), (fake.texts(), server.log())
+        server.warm_up()
+        assert "exit disabled" in server.log()
+
+        idle_from = time.monotonic()
+        time.sleep(3)
+        assert fake.pings(idle_from) >= 2, fake.texts(idle_from)
+
+        arm.touch()
+        BackgroundRequest(lambda: server.chat("this one livelocks", max_tokens=50, timeout=120))
+        wait_for(lambda: any(t.startswith("STATUS=stalled") for t in fake.texts()),
+                 STALL_S + 30, f"STATUS=stalled\n{fake.texts()}\n{server.log()}")
+        time.sleep(1)  # a ping already in flight
+        stalled_from = time.monotonic()
+        time.sleep(3)
+        assert fake.pings(stalled_from) == 0, fake.texts(stalled_from)
+        assert server.alive()
+    finally:
+        fake.close()
