@@ -1,4 +1,4 @@
-"""act: restart actions with fake runners and process tables; RestartPolicy."""
+"""act: restart actions with fake runners and process tables."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from mlx_watchdog.config import ConfigError, load_config, parse_config
 from mlx_watchdog.heartbeat import read_heartbeat
 from mlx_watchdog.judge import BUSY, Judge
 from mlx_watchdog.monitor import Monitor
-from mlx_watchdog.act import RestartPolicy
+from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.probe import Probe, ProbeResult, check_url
 from mlx_watchdog.process import CpuSampler, ProcessLocator
 from mlx_watchdog.redact import Secret, printable, scrub

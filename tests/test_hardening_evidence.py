@@ -87,7 +87,7 @@ def test_an_unusable_heartbeat_path_is_named(tmp_path, how):
 
 
 def test_the_watchdog_warns_once_about_an_unusable_heartbeat_path(tmp_path):
-    from mlx_watchdog.act import RestartPolicy
+    from mlx_watchdog.policy import RestartPolicy
     from mlx_watchdog.log import Events
     from mlx_watchdog.monitor import Monitor
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from mlx_watchdog.act import RestartPolicy
+from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.judge import HEALTHY, JudgeConfig
 from mlx_watchdog.supervise import Supervisor
 from tests.test_supervise import GOOD, gone, real_supervisor, wait_for  # noqa: F401

@@ -51,14 +51,14 @@ def test_tracker_age_and_progress(tmp_path):
     write(path, {"pid": 1, "beats": 5, "time": 998.0, "phase": "loading"})
     now[0] = 1000.0
     first = tracker.sample()
-    assert first.age_s == 2.0 and not first.advanced and first.phase == "loading"
+    assert first.age_s == 2.0 and first.phase == "loading"
     write(path, {"pid": 1, "beats": 9, "time": 1004.5, "phase": "serving"})
     now[0] = 1005.0
     second = tracker.sample()
-    assert second.advanced and second.age_s == 0.5
+    assert second.beats == 9 and second.age_s == 0.5
     now[0] = 1035.0  # no new writes: the loop hung
     third = tracker.sample()
-    assert not third.advanced and third.age_s == 30.5
+    assert third.beats == 9 and third.age_s == 30.5
 
 
 def test_a_hang_just_after_a_read_is_as_old_as_its_timestamp(tmp_path):
@@ -73,7 +73,7 @@ def test_a_hang_just_after_a_read_is_as_old_as_its_timestamp(tmp_path):
     write(path, {"pid": 1, "beats": 54, "time": 104.9, "phase": "serving"})
     now[0] = 115.0
     reading = tracker.sample()
-    assert reading.advanced and reading.age_s == pytest.approx(10.1)
+    assert reading.beats == 54 and reading.age_s == pytest.approx(10.1)
 
 
 def test_a_wall_clock_jump_moves_the_age_by_at_most_the_time_between_reads(tmp_path):
@@ -94,13 +94,19 @@ def test_a_wall_clock_jump_moves_the_age_by_at_most_the_time_between_reads(tmp_p
 
 def test_tracker_new_pid_is_progress_and_reset_forgets(tmp_path):
     path = tmp_path / "hb"
-    tracker = HeartbeatTracker(path, clock=lambda: 10.0)
+    now = [10.0]
+    tracker = HeartbeatTracker(path, clock=lambda: 10.0, monotonic=lambda: now[0])
     write(path, {"pid": 1, "beats": 5, "time": 9.0, "phase": "serving"})
     tracker.sample()
+    now[0] = 30.0  # the same beat, seen unchanged for 20 s
+    assert tracker.sample().age_s == 20.0
+    now[0] = 35.0
     write(path, {"pid": 2, "beats": 5, "time": 9.0, "phase": "serving"})
-    assert tracker.sample().advanced
+    assert tracker.sample().age_s == 1.0  # another process: its beat is new
+    now[0] = 50.0
+    assert tracker.sample().age_s == 15.0
     tracker.reset()
-    assert not tracker.sample().advanced
+    assert tracker.sample().age_s == 1.0  # forgotten: as if first seen now
 
 
 def test_clock_skew_never_gives_a_negative_age(tmp_path):

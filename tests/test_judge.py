@@ -43,8 +43,8 @@ CPU_BUSY = 2.0  # seconds of CPU per 5 s interval: 40% of a core
 CPU_IDLE = 0.01  # 0.2% of a core
 
 
-def beat(age: float, advanced: bool, phase: str = "serving") -> HeartbeatReading:
-    return HeartbeatReading(age_s=age, advanced=advanced, phase=phase, beats=1, pid=1)
+def beat(age: float, phase: str = "serving") -> HeartbeatReading:
+    return HeartbeatReading(age_s=age, phase=phase, beats=1, pid=1)
 
 
 def run(
@@ -85,7 +85,7 @@ def restarts(verdicts: List[Verdict]) -> List[bool]:
 
 
 def test_a_good_probe_is_healthy_whatever_else():
-    [verdict] = run([GOOD], cpu=0.0, heartbeat=beat(999, False), alive=True)
+    [verdict] = run([GOOD], cpu=0.0, heartbeat=beat(999), alive=True)
     assert verdict.state == HEALTHY and not verdict.restart
 
 
@@ -125,7 +125,7 @@ def test_saturated_server_is_busy_and_never_restarted_within_max_busy():
 
 
 def test_saturated_server_with_a_heartbeat_is_never_restarted_at_all():
-    verdicts = run([TIMEOUT] * 1000, cpu=CPU_BUSY, heartbeat=beat(0.5, True))
+    verdicts = run([TIMEOUT] * 1000, cpu=CPU_BUSY, heartbeat=beat(0.5))
     assert set(states(verdicts)) == {BUSY}
     assert not any(restarts(verdicts))
 
@@ -172,7 +172,7 @@ def test_cpu_threshold_is_a_fraction_of_one_core():
 def test_stale_heartbeat_is_wedged_at_the_first_failed_probe():
     # The heartbeat already holds heartbeat_timeout seconds of evidence:
     # one failed probe is enough, whatever `failures` says.
-    [verdict] = run([TIMEOUT], cpu=CPU_IDLE, heartbeat=beat(11, False))
+    [verdict] = run([TIMEOUT], cpu=CPU_IDLE, heartbeat=beat(11))
     assert verdict.state == WEDGED and verdict.restart
     assert verdict.cause == HEARTBEAT_STALE
     assert "heartbeat stale for 11s (limit 10s)" in verdict.reason
@@ -180,46 +180,46 @@ def test_stale_heartbeat_is_wedged_at_the_first_failed_probe():
 
 def test_stale_heartbeat_is_wedged_even_with_busy_cpu():
     # A loop spinning without iterating: CPU busy, beats stopped.
-    [verdict] = run([TIMEOUT], cpu=CPU_BUSY, heartbeat=beat(40, False))
+    [verdict] = run([TIMEOUT], cpu=CPU_BUSY, heartbeat=beat(40))
     assert verdict.state == WEDGED and verdict.restart
     assert verdict.cause == HEARTBEAT_STALE
 
 
 def test_stale_heartbeat_counts_only_with_a_failed_probe():
-    verdicts = run([GOOD] * 5, cpu=CPU_IDLE, heartbeat=beat(999, False))
+    verdicts = run([GOOD] * 5, cpu=CPU_IDLE, heartbeat=beat(999))
     assert set(states(verdicts)) == {HEALTHY}
 
 
 def test_stale_heartbeat_during_boot_grace_is_starting():
-    verdicts = run([TIMEOUT] * 5, heartbeat=beat(999, False), booting=True)
+    verdicts = run([TIMEOUT] * 5, heartbeat=beat(999), booting=True)
     assert set(states(verdicts)) == {STARTING} and not any(restarts(verdicts))
 
 
 def test_default_heartbeat_timeout_is_10s():
     assert JudgeConfig().heartbeat_timeout_s == 10.0
     judge = Judge(JudgeConfig())
-    assert judge.observe(Evidence(TIMEOUT, now=0, heartbeat=beat(10.0, False))).state == BUSY
-    assert judge.observe(Evidence(TIMEOUT, now=5, heartbeat=beat(10.5, False))).restart
+    assert judge.observe(Evidence(TIMEOUT, now=0, heartbeat=beat(10.0))).state == BUSY
+    assert judge.observe(Evidence(TIMEOUT, now=5, heartbeat=beat(10.5))).restart
 
 
 def test_failures_still_govern_the_paths_without_a_heartbeat():
     config = JudgeConfig(failures=4)
     assert restarts(run([TIMEOUT] * 4, cpu=CPU_IDLE, config=config)) == [False] * 3 + [True]
-    assert restarts(run([DEAD_404] * 4, heartbeat=beat(50, False), config=config)) == (
+    assert restarts(run([DEAD_404] * 4, heartbeat=beat(50), config=config)) == (
         [False] * 3 + [True]
     )
-    assert restarts(run([REFUSED] * 4, heartbeat=beat(50, False), config=config)) == (
+    assert restarts(run([REFUSED] * 4, heartbeat=beat(50), config=config)) == (
         [False] * 3 + [True]
     )
 
 
-def test_advancing_heartbeat_is_busy_even_with_idle_cpu():
-    verdicts = run([TIMEOUT] * 50, cpu=CPU_IDLE, heartbeat=beat(0.5, True))
+def test_a_fresh_heartbeat_is_busy_even_with_idle_cpu():
+    verdicts = run([TIMEOUT] * 50, cpu=CPU_IDLE, heartbeat=beat(0.5))
     assert set(states(verdicts)) == {BUSY}
 
 
-def test_a_fresh_heartbeat_counts_even_if_not_yet_advanced():
-    verdicts = run([TIMEOUT] * 5, cpu=CPU_IDLE, heartbeat=beat(3, False))
+def test_a_heartbeat_within_the_timeout_counts():
+    verdicts = run([TIMEOUT] * 5, cpu=CPU_IDLE, heartbeat=beat(3))
     assert set(states(verdicts)) == {BUSY}
 
 
@@ -227,13 +227,13 @@ def test_the_age_decides_not_whether_the_beats_moved():
     # The loop beat just after the previous read, then hung: the beats
     # moved, but the last one is older than the limit (the tracker keeps the
     # age within what it saw between reads, so a clock jump cannot do this).
-    [verdict] = run([TIMEOUT], heartbeat=beat(12, True))
+    [verdict] = run([TIMEOUT], heartbeat=beat(12))
     assert verdict.state == WEDGED and verdict.cause == HEARTBEAT_STALE
 
 
 def test_loading_phase_is_busy_up_to_max_busy():
     config = JudgeConfig(failures=3, max_busy_s=60)
-    loading = beat(50, False, "loading")  # written once as loading began
+    loading = beat(50, "loading")  # written once as loading began
     verdicts = run([TIMEOUT] * 14, cpu=CPU_IDLE, heartbeat=loading, config=config)
     assert states(verdicts)[:12] == [BUSY] * 12
     assert verdicts[12].state == WEDGED and verdicts[12].cause == BUSY_TOO_LONG
@@ -241,8 +241,8 @@ def test_loading_phase_is_busy_up_to_max_busy():
 
 def test_heartbeat_timeout_is_configurable():
     config = JudgeConfig(failures=1, heartbeat_timeout_s=100)
-    assert run([TIMEOUT], heartbeat=beat(40, False), config=config)[0].state == BUSY
-    assert run([TIMEOUT], heartbeat=beat(101, False), config=config)[0].state == WEDGED
+    assert run([TIMEOUT], heartbeat=beat(40), config=config)[0].state == BUSY
+    assert run([TIMEOUT], heartbeat=beat(101), config=config)[0].state == WEDGED
 
 
 # -- definite signals ---------------------------------------------------------
@@ -250,7 +250,7 @@ def test_heartbeat_timeout_is_configurable():
 
 @pytest.mark.parametrize("probe", [HEALTH_503, DEAD_404])
 @pytest.mark.parametrize("cpu, heartbeat", [(CPU_BUSY, None), (CPU_IDLE, None), (None, None),
-                                            (CPU_BUSY, beat(0.1, True))])
+                                            (CPU_BUSY, beat(0.1))])
 def test_dead_thread_is_wedged_after_n_whatever_the_cpu(probe, cpu, heartbeat):
     verdicts = run([probe] * 3, cpu=cpu, heartbeat=heartbeat)
     assert states(verdicts) == [FAILING, FAILING, WEDGED]
@@ -322,7 +322,7 @@ def test_reasons_are_short_and_say_how_far_along():
 def test_a_stalled_heartbeat_is_wedged_at_the_first_failed_probe_though_fresh():
     from mlx_watchdog.judge import STALLED_CAUSE
 
-    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1,
+    stalled = HeartbeatReading(age_s=0.5, phase="stalled", beats=9, pid=1,
                                in_flight=2)
     [verdict] = run([TIMEOUT], cpu=CPU_BUSY, heartbeat=stalled)
     assert verdict.state == WEDGED and verdict.restart and verdict.cause == STALLED_CAUSE
@@ -330,12 +330,12 @@ def test_a_stalled_heartbeat_is_wedged_at_the_first_failed_probe_though_fresh():
 
 
 def test_a_stalled_heartbeat_with_a_good_probe_is_healthy():
-    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1)
+    stalled = HeartbeatReading(age_s=0.5, phase="stalled", beats=9, pid=1)
     [verdict] = run([GOOD], heartbeat=stalled)
     assert verdict.state == HEALTHY and not verdict.restart
 
 
 def test_a_stalled_heartbeat_in_the_boot_grace_is_starting():
-    stalled = HeartbeatReading(age_s=0.5, advanced=True, phase="stalled", beats=9, pid=1)
+    stalled = HeartbeatReading(age_s=0.5, phase="stalled", beats=9, pid=1)
     [verdict] = run([TIMEOUT], heartbeat=stalled, booting=True)
     assert verdict.state == STARTING and not verdict.restart

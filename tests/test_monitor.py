@@ -426,7 +426,7 @@ class FakeHeartbeat:
 def _reading(phase, started, age=0.5):
     from mlx_watchdog.heartbeat import HeartbeatReading
 
-    return HeartbeatReading(age_s=age, advanced=True, phase=phase, beats=5, pid=7,
+    return HeartbeatReading(age_s=age, phase=phase, beats=5, pid=7,
                             started=started)
 
 

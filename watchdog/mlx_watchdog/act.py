@@ -95,7 +95,7 @@ class LaunchdRestart(CommandRestart):
         self, label: str, uid: Optional[int] = None, *, domain: Optional[str] = None, **kwargs
     ):
         self.label = label
-        self.domain = domain or f"gui/{os.getuid() if uid is None else uid}"
+        self.domain = domain or defaults.LAUNCHD_DOMAIN.format(uid=os.getuid() if uid is None else uid)
         super().__init__(["launchctl", "kickstart", "-k", f"{self.domain}/{label}"], **kwargs)
 
 
@@ -194,6 +194,3 @@ def _continue(proc) -> None:
     except psutil.NoSuchProcess:
         pass  # it is gone already, as wanted
 
-
-# The restart policy moved to policy.py; kept importable from here for old callers.
-from .policy import RestartDecision, RestartPolicy  # noqa: E402,F401

@@ -48,3 +48,7 @@ API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
+
+# Installing
+MANAGERS = ("launchd", "systemd")  # the service managers `install` writes for
+LAUNCHD_DOMAIN = "gui/{uid}"  # a LaunchAgent's domain: LAUNCHD_DOMAIN.format(uid=...)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import click
 
+from .defaults import HEARTBEAT_ENV
 from .shim import shim_dir
 
 # Runs in the server's interpreter with the shim first on PYTHONPATH.
@@ -122,8 +123,8 @@ def diagnose(python: str, host: str, port: int, environ=None) -> dict:
         else:
             notes.append(f"{name} {state}")
     folders = {"reports": _default_report_dir()}
-    if environ.get("MLX_HOTFIX_HEARTBEAT_FILE"):
-        folders["heartbeat"] = Path(environ["MLX_HOTFIX_HEARTBEAT_FILE"]).parent
+    if environ.get(HEARTBEAT_ENV):
+        folders["heartbeat"] = Path(environ[HEARTBEAT_ENV]).parent
     for label, folder in folders.items():
         why = _writable(folder)
         if why:

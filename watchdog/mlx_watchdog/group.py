@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
 from .heartbeat import HeartbeatReading, HeartbeatTracker
+from .urls import WILDCARD_HOSTS, bind_host, url_from_command
 
 LAUNCH_MODULES = ("mlx.launch", "mlx._distributed_utils.launch")
 LOCAL_HOST = "127.0.0.1"  # the only name mlx.launch runs without ssh
@@ -113,32 +114,17 @@ class LaunchCommand:
     def probe_url(self) -> str:
         """Rank 0's HTTP address: the server's --host/--port; a loopback or
         wildcard bind on a remote rank 0 is reached at that host's address."""
-        from .supervise import url_from_command
-
         url = url_from_command(self.server)
         rank0 = self.hosts[0] if self.hosts else Host(LOCAL_HOST)
         if rank0.local:
             return url
-        host = _bind_host(self.server)
-        if host in ("", "0.0.0.0", "::", "127.0.0.1", "localhost", "::1"):
+        host = bind_host(self.server)
+        if host in WILDCARD_HOSTS or host in ("127.0.0.1", "localhost", "::1"):
             address = rank0.ips[0] if rank0.ips else rank0.ssh.rsplit("@", 1)[-1]
             if ":" in address:
                 address = f"[{address}]"
             return re.sub(r"^http://[^/]+:", f"http://{address}:", url)
         return url
-
-
-def _bind_host(server: Sequence[str]) -> str:
-    value = defaults.HOST
-    for i, arg in enumerate(server):
-        if arg == "--host" and i + 1 < len(server):
-            value = server[i + 1]
-        elif arg.startswith("--host="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-# -- recognising the command ----------------------------------------------------------
 
 
 def _launcher_prefix(argv: Sequence[str]) -> Optional[int]:

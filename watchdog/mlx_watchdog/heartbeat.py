@@ -45,10 +45,9 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class HeartbeatReading:
-    """What the judge gets: how old the heartbeat is and whether it moved."""
+    """What the judge gets: how old the heartbeat is, and its phase."""
 
     age_s: float  # seconds since the last beat (see HeartbeatTracker)
-    advanced: bool  # beats (or pid) changed since the previous reading
     phase: str
     beats: int
     pid: int
@@ -188,7 +187,6 @@ class HeartbeatTracker:
             age = min(age, now - self._absent_at)
         return HeartbeatReading(
             age_s=age,
-            advanced=advanced,
             phase=beat.phase,
             beats=beat.beats,
             pid=beat.pid,

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import click
 
-MANAGERS = ("launchd", "systemd")
+from .defaults import MANAGERS
 
 _INSTALL_HELP = """Install MANAGER (launchd or systemd) definitions for a server and its watchdog.
 

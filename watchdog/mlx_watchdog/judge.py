@@ -56,8 +56,8 @@ of the new process says the model is loaded and the loop serving
 (monitor.py), so a hang right after start-up is judged within the normal
 budget instead of waiting the grace out.
 
-**crash-looping** is not decided here: the restart policy (act.RestartPolicy)
-refuses restarts after too many in a window and the monitor reports that.
+**crash-looping** is not decided here: the restart policy (policy.py) says
+when restarts come too often, and the monitor reports it; restarts go on.
 """
 
 from __future__ import annotations

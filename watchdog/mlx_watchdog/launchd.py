@@ -124,7 +124,7 @@ def render(inst: Instance) -> Dict[Path, bytes]:
 # ---- launchctl command lines ----
 
 def domain(uid: int) -> str:
-    return f"gui/{uid}"
+    return defaults.LAUNCHD_DOMAIN.format(uid=uid)
 
 
 def service_target(uid: int, label: str) -> str:

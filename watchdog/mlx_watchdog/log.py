@@ -83,9 +83,6 @@ class Events:
             level, message, extra={"event": event, "instance": self.instance, "fields": fields}
         )
 
-    def debug(self, event: str, message: str, /, **fields: Any) -> None:
-        self.log(logging.DEBUG, event, message, **fields)
-
     def info(self, event: str, message: str, /, **fields: Any) -> None:
         self.log(logging.INFO, event, message, **fields)
 

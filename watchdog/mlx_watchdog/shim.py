@@ -44,15 +44,3 @@ def with_shim(env: Optional[Mapping[str, str]] = None) -> MutableMapping[str, st
     result[PYTHONPATH] = os.pathsep.join(parts)
     return result
 
-
-def without_shim(env: Optional[Mapping[str, str]] = None) -> MutableMapping[str, str]:
-    """A copy of env with the drop-in folder removed from PYTHONPATH."""
-    result = dict(os.environ if env is None else env)
-    folder = str(shim_dir())
-    parts = [p for p in result.get(PYTHONPATH, "").split(os.pathsep) if p]
-    parts = [p for p in parts if os.path.abspath(p) != folder]
-    if parts:
-        result[PYTHONPATH] = os.pathsep.join(parts)
-    else:
-        result.pop(PYTHONPATH, None)
-    return result

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import psutil
 
@@ -46,54 +45,12 @@ from .monitor import Monitor, ProcessEvidence
 from .probe import ProbeResult
 from .process import CpuSampler, ProcessNotFound, ProcessSample
 from .state import StateStore
+from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
 from .wakeup import Wakeup
 
 
 class SupervisorError(Exception):
     """The supervisor cannot start (for instance, the command does not exist)."""
-
-
-def url_from_command(command: Sequence[str]) -> str:
-    """The URL an mlx_lm.server command will listen on (--host, --port).
-
-    ValueError when the port cannot be read for sure: a port inside a shell
-    string (bash -c "... --port N"), or a command that is not mlx_lm's server
-    and has no --port (its default 8080 would only be a guess).
-    """
-    values: Dict[str, Optional[str]] = {"--host": None, "--port": None}
-    args = list(command)
-    for i, arg in enumerate(args):
-        for flag in values:
-            if arg == flag:
-                if i + 1 >= len(args):
-                    raise ValueError(f"{flag} without a value in the command")
-                values[flag] = args[i + 1]
-            elif arg.startswith(flag + "="):
-                values[flag] = arg.split("=", 1)[1]
-    host, port = values["--host"], values["--port"]
-    if port is None:
-        hidden = [a for a in args if re.search(r"--port\b", a)]
-        if hidden:
-            raise ValueError(f"cannot read the port from {hidden[0]!r} (inside one argument)")
-        if not _runs_mlx_lm_server(args):
-            raise ValueError(f"cannot tell which port {args[0]!r} listens on")
-        port = str(defaults.PORT)
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"cannot read a port number from --port {port!r}")
-    host = defaults.HOST if host is None else host
-    # A wildcard bind is reached through loopback.
-    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{int(port)}"
-
-
-def _runs_mlx_lm_server(args: Sequence[str]) -> bool:
-    """mlx_lm.server, mlx_lm server, python -m mlx_lm.server / mlx_lm server."""
-    names = [os.path.basename(a) for a in args[:4]]
-    if "mlx_lm.server" in names:
-        return True
-    return any(a == "mlx_lm" and b == "server" for a, b in zip(names, names[1:]))
 
 
 def describe_exit(code: Optional[int], shim: bool = True) -> str:
