@@ -19,12 +19,12 @@ import os
 import platform
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
 from . import __version__, defaults
+from .safefile import write_atomically
 
 KEEP = 50
 SCHEMA = 1
@@ -55,17 +55,8 @@ def write_report(directory: Path, report: Dict[str, Any], keep: int = KEEP) -> O
     try:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         name = report_name(report["kind"], int(report.get("pid") or 0), report["time"])
-        fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(report, handle, indent=1, sort_keys=True, default=repr)
-                handle.write("\n")
-            os.chmod(temporary, 0o600)
-            os.replace(temporary, directory / name)
-        except BaseException:
-            with _quiet():
-                os.unlink(temporary)
-            raise
+        text = json.dumps(report, indent=1, sort_keys=True, default=repr)
+        write_atomically(directory / name, text + "\n", mode=0o600)
         prune(directory, keep)
         return directory / name
     except OSError:

@@ -1,17 +1,23 @@
-"""Opening files in directories another user may write to.
+"""Opening and writing files in directories another user may write to.
 
 A root watchdog must not follow a link planted where its lock or state file
 belongs (it would create or truncate a file of the planter's choosing), and
 must not block on a FIFO planted there (every probe, and the exit on SIGTERM,
 would wait on its lock forever). So: O_NOFOLLOW, O_NONBLOCK for the open
 itself, then fstat, and anything but a regular file is refused.
+
+Files others read while we write (the state file, crash reports, service
+definitions) are written whole or not at all: `write_atomically`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import tempfile
+from typing import Union
 
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
@@ -50,6 +56,24 @@ def open_regular(path: "str | os.PathLike[str]", flags: int = os.O_RDONLY, mode:
         os.close(fd)
         raise
     return fd
+
+
+def write_atomically(path: "str | os.PathLike[str]", data: Union[bytes, str], *,
+                     mode: int = 0o600) -> None:
+    """Replace path with data: a reader sees the old file or the new one,
+    never half of one. A private temporary file (mkstemp: O_EXCL, so nothing
+    planted is followed) in the same folder, then os.replace."""
+    folder, name = os.path.split(os.fspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder or ".")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _kind_of(path: str) -> str:

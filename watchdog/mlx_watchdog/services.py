@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
+from .safefile import write_atomically
 from .urls import probe_url
 
 #: Reverse-DNS prefix of launchd labels.
@@ -482,15 +483,7 @@ def installed_names(layout: Layout) -> List[str]:
 def write_file(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write atomically (temp file + rename) so a unit is never half-written."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomically(path, data, mode=mode)
 
 
 def shell_join(argv: Sequence[str]) -> str:

@@ -7,19 +7,17 @@ under a lock, and leaves the others alone.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .redact import printable, scrub, scrub_all
-from .safefile import NotARegularFile, open_regular
+from .safefile import NotARegularFile, open_regular, write_atomically
 import click
 
 VERSION = 1
@@ -87,7 +85,7 @@ class StateStore:
                 if _signature(path) != self._written:  # someone else wrote since
                     self._others = _other_daemons_instances(path)
                 instances = dict(self._others, **self.records)
-                _write_atomically(path, {"version": VERSION, "instances": instances})
+                _write_state(path, {"version": VERSION, "instances": instances})
                 self._written = _signature(path)
             self.error = None
         except NotARegularFile as exc:
@@ -117,19 +115,11 @@ def _other_daemons_instances(path: Path) -> Dict[str, Any]:
     }
 
 
-def _write_atomically(path: Path, data: Dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            # Compact: the C encoder is several times cheaper than indent=.
-            # scrub: a key may hide in any reason or detail, JSON-escaped here.
-            text = json.dumps(scrub_all(data), separators=(",", ":"), sort_keys=True)
-            handle.write(scrub(text) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def _write_state(path: Path, data: Dict[str, Any]) -> None:
+    # Compact: the C encoder is several times cheaper than indent=.
+    # scrub: a key may hide in any reason or detail, JSON-escaped here.
+    text = json.dumps(scrub_all(data), separators=(",", ":"), sort_keys=True)
+    write_atomically(path, scrub(text) + "\n")
 
 
 def read_state(path: "str | os.PathLike[str]") -> Dict[str, Any]:
