@@ -24,7 +24,13 @@ from click.testing import CliRunner
 from mlx_watchdog import defaults, probe as probe_module, systemd
 from mlx_watchdog.act import CommandRestart
 from mlx_watchdog.cli import main
-from mlx_watchdog.config import ConfigError, load_config, parse_config
+from mlx_watchdog.config import (
+    ConfigError,
+    InstanceConfig,
+    RestartConfig,
+    load_config,
+    parse_config,
+)
 from mlx_watchdog.heartbeat import read_heartbeat
 from mlx_watchdog.judge import BUSY, Judge
 from mlx_watchdog.monitor import Monitor
@@ -175,7 +181,8 @@ def test_a_restart_commands_argv_and_stderr_are_scrubbed():
 
 def test_the_key_is_not_passed_to_the_server_child_and_help_warns_about_ps():
     supervisor = Supervisor(
-        ["true"], probe=lambda: None, name="a", env={defaults.API_KEY_ENV: "k", "KEEP": "1"}
+        ["true"], InstanceConfig("a", "http://127.0.0.1:8080", RestartConfig("none")),
+        probe=lambda: None, env={defaults.API_KEY_ENV: "k", "KEEP": "1"}
     )
     assert defaults.API_KEY_ENV not in supervisor.env and supervisor.env["KEEP"] == "1"
     for command in ("probe", "supervise"):

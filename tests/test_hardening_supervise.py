@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from mlx_watchdog.policy import RestartPolicy
-from mlx_watchdog.judge import HEALTHY, JudgeConfig
+from mlx_watchdog.config import InstanceConfig, RestartConfig
+from mlx_watchdog.judge import HEALTHY
 from mlx_watchdog.supervise import Supervisor
 from tests.test_supervise import GOOD, gone, real_supervisor, wait_for  # noqa: F401
 
@@ -44,12 +45,11 @@ def test_a_child_that_exits_takes_its_group_with_it(tmp_path):
     script = f"sleep 300 & echo $! > {grandchild_file}; exit 3"
     supervisor = Supervisor(
         ["sh", "-c", script],
+        InstanceConfig("test", "http://127.0.0.1:8080", RestartConfig("none"), failures=2,
+                       stop_grace=3),
         probe=lambda: GOOD,
-        name="test",
-        judge_config=JudgeConfig(failures=2),
         policy=RestartPolicy(boot_grace_s=0, backoff_initial_s=60, max_restarts=1,
                              window_s=300),
-        stop_grace_s=3,
     )
     supervisor.start()
     first = supervisor.child

@@ -13,6 +13,7 @@ from mlx_watchdog.judge import (
     BUSY_TOO_LONG,
     DEAD_THREAD,
     DOWN,
+    EXITED,
     FAILING,
     HEALTHY,
     HEARTBEAT_STALE,
@@ -339,3 +340,14 @@ def test_a_stalled_heartbeat_in_the_boot_grace_is_starting():
     stalled = HeartbeatReading(age_s=0.5, phase="stalled", beats=9, pid=1)
     [verdict] = run([TIMEOUT], heartbeat=stalled, booting=True)
     assert verdict.state == STARTING and not verdict.restart
+
+
+def test_a_process_seen_to_exit_is_down_at_once_whatever_else_the_evidence_says():
+    # Only the process evidence can say so (a supervisor reaping its child);
+    # no probe, boot grace or heartbeat outweighs it.
+    for probe, booting in ((GOOD, False), (TIMEOUT, True), (TIMEOUT, False)):
+        verdict = Judge(JudgeConfig(failures=3)).observe(
+            Evidence(probe, now=0, booting=booting, heartbeat=beat(0.5),
+                     exited="exited with code 1"))
+        assert (verdict.state, verdict.restart, verdict.cause) == (DOWN, True, EXITED)
+        assert verdict.reason == "server exited with code 1"

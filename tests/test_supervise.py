@@ -18,6 +18,7 @@ import pytest
 
 from mlx_watchdog import defaults
 from mlx_watchdog.policy import RestartPolicy
+from mlx_watchdog.config import InstanceConfig, RestartConfig
 from mlx_watchdog.judge import (
     BUSY,
     CRASH_LOOPING,
@@ -27,7 +28,6 @@ from mlx_watchdog.judge import (
     HEARTBEAT_STALE,
     STARTING,
     WEDGED,
-    JudgeConfig,
 )
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
@@ -159,16 +159,13 @@ def make(tmp_path, *, boot_grace=0.0, max_restarts=5, backoff=1.0):
     process = FakeProcess()
     supervisor = Supervisor(
         ["mlx_lm.server", "--port", "8080"],
+        InstanceConfig("test", "http://127.0.0.1:8080", RestartConfig("none"), failures=2,
+                       stop_grace=3, report_dir=str(tmp_path / "reports")),
         probe=probes,
-        name="test",
-        url="http://127.0.0.1:8080",
         env={"PATH": "/usr/bin"},
         heartbeat_file=tmp_path / "heartbeat.json",
-        judge_config=JudgeConfig(failures=2),
         policy=RestartPolicy(boot_grace_s=boot_grace, backoff_initial_s=backoff,
                              max_restarts=max_restarts, window_s=300),
-        stop_grace_s=3,
-        report_dir=tmp_path / "reports",
         spawn=spawner,
         process=process,
         metrics=Metrics(),
@@ -552,3 +549,24 @@ def test_request_stop_from_a_storm_of_signals_never_deadlocks(tmp_path):
         signal.signal(signal.SIGALRM, previous)
     assert supervisor._stopping
     assert spawner.current.signals == [signal.SIGALRM]  # forwarded once
+
+
+def test_cli_builds_its_monitor_from_the_same_options_as_watch(tmp_path, monkeypatch):
+    # --cpu-busy and --health reach the judge and the probe, as cpu_busy and
+    # health_check do in a watch config (both go through compose.build_monitor).
+    from click.testing import CliRunner
+
+    from mlx_watchdog.cli import main
+
+    built = []
+    monkeypatch.setattr(Supervisor, "run", lambda self: built.append(self.monitor) or 0)
+    result = CliRunner().invoke(
+        main,
+        ["supervise", "--no-shim", "--state-file", str(tmp_path / "s.json"), "--cpu-busy", "0.5",
+         "--health", "--failures", "4", "--", "mlx_lm.server", "--port", "8123"],
+    )
+    assert result.exit_code == 0, result.output
+    [monitor] = built
+    assert monitor.judge.config.cpu_busy_fraction == 0.5 and monitor.judge.config.failures == 4
+    assert monitor.probe.check_health and monitor.url == "http://127.0.0.1:8123"
+    assert "--cpu-busy" in CliRunner().invoke(main, ["supervise", "--help"]).output

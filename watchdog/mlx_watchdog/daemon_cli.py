@@ -14,13 +14,13 @@ import click
 from . import defaults
 from .log import FORMATS, Events, setup_logging
 from .metrics import Metrics
-from .probe import Probe
 from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _SECONDS,
     _SECONDS_OR_ZERO,
     _api_key_option,
     _cacert_option,
     _check_url,
+    _health_option,
     _model_option,
     probe_command,
 )
@@ -111,6 +111,13 @@ def _daemon_options(f: Callable) -> Callable:
     "single prefill step takes longer.",
 )
 @_number_option(
+    "--cpu-busy",
+    defaults.CPU_BUSY_FRACTION,
+    "Without a heartbeat (--no-shim): the share of one core the server (with its "
+    "children) must use over an interval for a failed probe to count as busy.",
+    kind=_SECONDS_OR_ZERO,
+)
+@_number_option(
     "--stop-grace",
     defaults.STOP_GRACE_S,
     "Seconds between SIGTERM and SIGKILL. Generous on purpose: SIGKILL of a process "
@@ -159,6 +166,7 @@ def _daemon_options(f: Callable) -> Callable:
 )
 @_model_option
 @_api_key_option
+@_health_option
 @_cacert_option
 @_daemon_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -171,6 +179,7 @@ def supervise_command(
     boot_grace: float,
     max_busy: float,
     heartbeat_timeout: float,
+    cpu_busy: float,
     stop_grace: float,
     max_restarts: int,
     backoff_max: float,
@@ -181,6 +190,7 @@ def supervise_command(
     remote_shim_path: Optional[str],
     model: str,
     api_key: Optional[str],
+    health: bool,
     cacert: Optional[str],
     metrics_port: Optional[int],
     metrics_host: Optional[str],
@@ -196,8 +206,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .policy import RestartPolicy
-    from .judge import JudgeConfig
+    from .config import InstanceConfig, RestartConfig
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
 
@@ -219,27 +228,35 @@ def supervise_command(
         metrics = _metrics(metrics_port, metrics_host)
         state = StateStore(state_file or default_state_path())
         name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
-        supervisor = Supervisor(
-            command,
-            probe=Probe(url, timeout=probe_timeout, model=model, api_key=api_key, cacert=cacert),
+        # The same options as a `watch` instance; the supervisor restarts itself.
+        instance = InstanceConfig(
             name=name,
             url=url,
+            restart=RestartConfig("none"),
+            model=model,
+            api_key=secret(api_key),
+            interval=probe_interval,
+            timeout=probe_timeout,
+            failures=failures,
+            boot_grace=boot_grace,
+            health_check=health,
+            heartbeat_timeout=heartbeat_timeout,
+            max_busy=max_busy,
+            cpu_busy=cpu_busy,
+            cacert=cacert,
+            max_restarts=max_restarts,
+            restart_window=restart_window,
+            backoff_max=backoff_max,
+            backoff_reset=backoff_reset,
+            stop_grace=stop_grace,
+            report_dir=report_dir,
+        )
+        supervisor = Supervisor(
+            command,
+            instance,
             env=env,
             heartbeat_file=Path(private) / "heartbeat.json",
             shim=not no_shim,
-            judge_config=JudgeConfig(
-                failures=failures, max_busy_s=max_busy, heartbeat_timeout_s=heartbeat_timeout
-            ),
-            policy=RestartPolicy(
-                boot_grace_s=boot_grace,
-                max_restarts=max_restarts,
-                window_s=restart_window,
-                backoff_max_s=backoff_max,
-                backoff_reset_s=backoff_reset,
-            ),
-            interval_s=probe_interval,
-            stop_grace_s=stop_grace,
-            report_dir=report_dir,
             metrics=metrics,
             state=state,
         )

@@ -4,6 +4,9 @@ Each tick the judge gets the evidence (the probe result, whether the process
 runs, how much CPU it used, the shim's heartbeat) and returns a Verdict: a
 state, a short reason, and whether to restart. The rule:
 
+0. The process evidence saw the server exit (a supervised child's exit
+   status): **down**, restart at once, even within the boot grace. No probe
+   can say more about a process that is gone.
 1. A probe that got a token: **healthy**. All counters reset.
 2. Within the boot grace after a (re)start: **starting**. Failures do not count.
 3. The process is gone, or nothing listens on the port: **down**; restart after
@@ -87,7 +90,7 @@ NO_PROGRESS = "no-progress"
 BAD_ANSWER = "bad-answer"
 BUSY_TOO_LONG = "busy-too-long"
 STALLED_CAUSE = "stalled"  # requests in flight, nothing delivered (shim heartbeat)
-EXITED = "exited"  # used by the supervisor when its child exits
+EXITED = "exited"  # the process was seen to exit (a supervised child)
 PORT_TAKEN = "port-taken"  # another process holds the server's port
 
 
@@ -110,6 +113,7 @@ class Evidence:
     heartbeat: Optional[HeartbeatReading] = None
     process_problem: Optional[str] = None  # why process_alive is None (e.g. ambiguous)
     port_held_by: Optional[str] = None  # another process holds the port (listener.py)
+    exited: Optional[str] = None  # how the process ended, e.g. "exited with code 1"
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class Judge:
 
     def observe(self, evidence: Evidence) -> Verdict:
         probe = evidence.probe
+        if evidence.exited:
+            return Verdict(DOWN, f"server {evidence.exited}", True, EXITED)
         if evidence.port_held_by:
             return self._port_taken(evidence)
         if probe.ok:

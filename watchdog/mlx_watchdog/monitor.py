@@ -19,7 +19,7 @@ from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
-from .probe import ProbeResult
+from .probe import UNREACHABLE, ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
@@ -39,7 +39,11 @@ class RestartAction(Protocol):
 
 
 class ProcessEvidence(Protocol):
-    """Like process.CpuSampler: samples the server process each tick."""
+    """Like process.CpuSampler: samples the server process each tick.
+
+    It may also have `exited() -> Optional[str]`: how the process ended, when
+    that is known for sure (only a supervisor sees its child's exit status).
+    """
 
     def sample(self, rescan: bool = True) -> ProcessSample: ...
 
@@ -105,6 +109,9 @@ class Monitor:
         self.report(Verdict(STARTING, "started"))
 
     def tick(self) -> Verdict:
+        exited = self._exited()
+        if exited is not None:
+            return self._tick_exited(exited)
         probe = self.probe()
         # A failed probe is when CPU time matters: then look for new child
         # processes too (a scan of the whole process table).
@@ -139,6 +146,21 @@ class Monitor:
         if verdict.restart:
             verdict = self.restart(verdict)
         self.report(verdict, probe)
+        return verdict
+
+    def _exited(self) -> Optional[str]:
+        exited = getattr(self.process, "exited", None)
+        return exited() if exited is not None else None
+
+    def _tick_exited(self, exited: str) -> Verdict:
+        """The process is gone for sure: nothing to probe or sample."""
+        now = self.clock()
+        gone = ProbeResult(UNREACHABLE, 0.0, reason=f"server {exited}")
+        verdict = self.judge.observe(Evidence(probe=gone, now=now, process_alive=False,
+                                              exited=exited))
+        if verdict.restart:
+            verdict = self.restart(verdict)
+        self.report(verdict)
         return verdict
 
     def _observe_server(self) -> None:

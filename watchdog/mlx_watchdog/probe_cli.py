@@ -80,6 +80,15 @@ def _cacert_option(f: Callable) -> Callable:
     )(f)
 
 
+def _health_option(f: Callable) -> Callable:
+    return click.option(
+        "--health/--no-health",
+        default=defaults.CHECK_HEALTH,
+        show_default=True,
+        help="GET /health first; a 503 there means the generation thread is gone.",
+    )(f)
+
+
 def _model_option(f: Callable) -> Callable:
     return click.option(
         "--model",
@@ -107,12 +116,7 @@ def _model_option(f: Callable) -> Callable:
 )
 @_model_option
 @_api_key_option
-@click.option(
-    "--health/--no-health",
-    default=defaults.CHECK_HEALTH,
-    show_default=True,
-    help="GET /health first; a 503 there means the generation thread is gone.",
-)
+@_health_option
 @_cacert_option
 @click.pass_context
 def probe_command(

@@ -1,11 +1,13 @@
 """Supervise: run the server as a child process and keep it serving.
 
 The child runs in its own process group, with the hotfix shim on PYTHONPATH
-and MLX_HOTFIX_HEARTBEAT_FILE pointing into a private directory. Each tick
-the supervisor restarts the child if it exited (whatever the exit code;
-SIGCHLD wakes the loop at once) and otherwise lets its Monitor probe, judge
-and, when wedged, restart it (SIGTERM and SIGCONT to the group, SIGKILL after
-a grace). Backoff applies to both (policy.py); it never stops restarting.
+and MLX_HOTFIX_HEARTBEAT_FILE pointing into a private directory. Its
+Monitor is built as `watch` builds one (compose.py), with two adapters:
+ChildProcess, the process evidence (the child's CPU, and its exit status
+once it exited: the judge then restarts it at once, whatever the code;
+SIGCHLD wakes the loop), and ChildRestart, the action (SIGTERM and SIGCONT to
+the group, SIGKILL after a grace, a new child). Backoff applies to both
+(policy.py); it never stops restarting.
 Before a wedged child is stopped, SIGUSR1 asks the shim for every thread's
 stack and a `wedged` report keeps them (reports.py). SIGTERM or SIGINT is
 passed on to the child, then the supervisor exits 0; SIGHUP (a closed
@@ -28,20 +30,21 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, List, Mapping, Optional, Sequence
 
 import psutil
 
 from . import defaults, reports
 from .act import ActionResult
-from .group import clear_heartbeats, heartbeat_tracker
+from .compose import build_monitor
+from .config import InstanceConfig
+from .group import clear_heartbeats
 from .policy import RestartPolicy
-from .throughput import ReportWatcher, ThroughputTracker
-from .judge import DOWN, EXITED, Judge, JudgeConfig, Verdict
+from .judge import DOWN, Verdict
 from .listener import ListenerCheck
-from .log import Events
 from .metrics import Metrics
-from .monitor import Monitor, ProcessEvidence
+from .monitor import ProcessEvidence
 from .probe import ProbeResult
 from .process import CpuSampler, ProcessNotFound, ProcessSample
 from .state import StateStore
@@ -168,45 +171,64 @@ def parent_death_signal() -> Optional[Callable[[], None]]:
     return preexec
 
 
-class _ChildCpu:
-    """CPU evidence for whichever child is current."""
+class ChildProcess:
+    """Process evidence for whichever child is current: its CPU (a sampler)
+    and, once it has exited, how (`exited`), which only its parent can know."""
+
+    def __init__(self, supervisor: "Supervisor", cpu: Optional[ProcessEvidence] = None):
+        self._supervisor = supervisor
+        self._cpu = cpu if cpu is not None else CpuSampler(self._find)
+
+    def _find(self) -> psutil.Process:
+        pid = self._supervisor.child_pid()
+        if pid is None:
+            raise ProcessNotFound("no child")
+        return psutil.Process(pid)
+
+    def exited(self) -> Optional[str]:
+        return self._supervisor.reap()
+
+    def sample(self, rescan: bool = True) -> ProcessSample:
+        return self._cpu.sample(rescan)
+
+    def reset(self) -> None:
+        self._cpu.reset()
+
+
+class ChildRestart:
+    """The restart action: the supervisor replaces its child."""
 
     def __init__(self, supervisor: "Supervisor"):
         self._supervisor = supervisor
-        self._sampler = CpuSampler(self._find)
 
-    def _find(self) -> psutil.Process:
-        child = self._supervisor.child
-        if child is None:
-            raise ProcessNotFound("no child")
-        return psutil.Process(child.pid)
+    def __str__(self) -> str:
+        return "replace the child"
 
-    def sample(self, rescan: bool = True) -> ProcessSample:
-        return self._sampler.sample(rescan)
-
-    def reset(self) -> None:
-        self._sampler.reset()
+    def restart(self, reason: str) -> ActionResult:
+        return self._supervisor.restart(reason)
 
 
 class Supervisor:
+    """Runs command as its child and keeps it serving.
+
+    instance holds the options, read as `watch` reads them (compose.py), and
+    the supervisor's own: interval, stop_grace, report_dir. Its [restart]
+    table is not used: the supervisor restarts its child itself.
+    """
+
     def __init__(
         self,
         command: Sequence[str],
+        instance: InstanceConfig,
         *,
-        probe: Callable[[], ProbeResult],
-        name: str,
-        url: str = "",
         env: Optional[Mapping[str, str]] = None,
         heartbeat_file: "Optional[str | os.PathLike[str]]" = None,
         shim: bool = True,  # the child runs with the hotfix shim (for messages)
-        judge_config: JudgeConfig = JudgeConfig(),
-        policy: Optional[RestartPolicy] = None,
-        interval_s: float = defaults.PROBE_INTERVAL_S,
-        stop_grace_s: float = defaults.STOP_GRACE_S,
-        report_dir: "Optional[str | os.PathLike[str]]" = None,
         stacks_wait_s: float = defaults.STACKS_WAIT_S,
         spawn: Callable[[List[str], Mapping[str, str]], Child] = spawn,
-        process: Optional[ProcessEvidence] = None,
+        process: Optional[ProcessEvidence] = None,  # tests: CPU evidence instead of psutil's
+        probe: Optional[Callable[[], ProbeResult]] = None,  # tests: instead of probing the URL
+        policy: Optional[RestartPolicy] = None,  # tests: instead of the instance's
         metrics: Optional[Metrics] = None,
         state: Optional[StateStore] = None,
         clock: Callable[[], float] = time.monotonic,
@@ -214,6 +236,8 @@ class Supervisor:
     ):
         if not command:
             raise ValueError("no command to supervise")
+        if heartbeat_file is not None:
+            instance = replace(instance, heartbeat_file=str(heartbeat_file))
         self.command = list(command)
         self.env = dict(os.environ if env is None else env)
         self.env.pop(defaults.API_KEY_ENV, None)  # the server has no use for the probe's key
@@ -222,9 +246,9 @@ class Supervisor:
         if heartbeat_file is not None:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
         self.env[PARENT_PID_ENV] = str(os.getpid())
-        self.interval_s = interval_s
-        self.stop_grace_s = stop_grace_s
-        self.report_dir = reports.report_dir(report_dir)
+        self.interval_s = instance.interval
+        self.stop_grace_s = instance.stop_grace
+        self.report_dir = reports.report_dir(instance.report_dir)
         self.stacks_wait_s = stacks_wait_s
         self.last_report: Optional[str] = None
         if shim:  # the shim and the watchdog must agree on where reports go
@@ -238,26 +262,17 @@ class Supervisor:
         self._stop_signal = signal.SIGTERM
         self._wakeup = Wakeup()
         self._signalled: Optional[int] = None  # the pid the stop signal went to
-        self.monitor = Monitor(
-            name,
-            probe,
-            judge=Judge(judge_config),
-            policy=policy or RestartPolicy(),
-            action=self,
-            url=url,
-            # Every rank's heartbeat, for an mlx.launch group (group.py).
-            heartbeat=(
-                heartbeat_tracker(heartbeat_file, owner=self.child_pid)
-                if heartbeat_file is not None else None
-            ),
-            process=process if process is not None else _ChildCpu(self),
+        self.monitor = build_monitor(
+            instance,
+            action=ChildRestart(self),
+            process=ChildProcess(self, process),
+            owner=self.child_pid,
             # Evidence must be our child's: is it the one listening on the URL?
-            listener=ListenerCheck(url, self.child_pid) if url else None,
-            events=Events(name),
+            listener=ListenerCheck(instance.url, self.child_pid),
+            probe=probe,
+            policy=policy,
             metrics=metrics,
             state=state,
-            throughput=ThroughputTracker(heartbeat_file) if heartbeat_file is not None else None,
-            reports=ReportWatcher(self.report_dir),
             clock=clock,
             wall_clock=wall_clock,
         )
@@ -279,23 +294,27 @@ class Supervisor:
         self.monitor.started()
 
     def tick(self) -> Verdict:
-        if self.child is not None:
-            code = self.child.poll()
-            if code is not None:
-                self._exit = describe_exit(code, self.shim)
-                self.events.warning("exited", f"server {self._exit}", returncode=code)
-                self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
-                self.child = None
-        if self.child is None:
-            if self._stopping:
+        if self._stopping:
+            self.reap()
+            if self.child is None:
                 return Verdict(DOWN, f"server {self._exit}; shutting down")
-            verdict = self.monitor.restart(Verdict(DOWN, f"server {self._exit}", True, EXITED))
-            self.monitor.report(verdict)
-            return verdict
         return self.monitor.tick()
 
+    def reap(self) -> Optional[str]:
+        """How the child ended, once it has (None while it runs); an exit is
+        logged once and takes what is left of the child's group with it."""
+        if self.child is not None:
+            code = self.child.poll()
+            if code is None:
+                return None
+            self._exit = describe_exit(code, self.shim)
+            self.events.warning("exited", f"server {self._exit}", returncode=code)
+            self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
+            self.child = None
+        return self._exit
+
     def restart(self, reason: str) -> ActionResult:
-        """The monitor's restart action: stop the child (if any), start a new one."""
+        """Stop the child (if any), start a new one (ChildRestart)."""
         if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
         if self.child is not None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from . import defaults, reports
+from . import compose, defaults, reports
 
 from .act import (
     ActionResult,
@@ -22,17 +22,11 @@ from .act import (
     SystemdRestart,
 )
 from .config import InstanceConfig, RestartConfig
-from .group import heartbeat_tracker
 from .heartbeat import read_heartbeat
-from .judge import Judge, JudgeConfig
-from .log import Events
 from .metrics import Metrics
 from .monitor import Monitor, RestartAction
-from .policy import RestartPolicy
-from .probe import Probe
 from .process import CpuSampler, ProcessLocator
 from .state import StateStore
-from .throughput import ReportWatcher, ThroughputTracker
 from .wakeup import Wakeup
 
 
@@ -112,48 +106,16 @@ def build_monitor(
     metrics: Optional[Metrics] = None,
     state: Optional[StateStore] = None,
 ) -> Monitor:
+    """A monitor of a server something else runs (compose.build_monitor):
+    found by pid, pidfile or match, restarted by the [restart] table."""
     locator = build_locator(instance)
-    return Monitor(
-        instance.name,
-        Probe(
-            instance.url,
-            timeout=instance.timeout,
-            model=instance.model,
-            api_key=instance.api_key,
-            check_health=instance.health_check,
-            cacert=instance.cacert,
-        ),
-        judge=Judge(
-            JudgeConfig(
-                failures=instance.failures,
-                cpu_busy_fraction=instance.cpu_busy,
-                heartbeat_timeout_s=instance.heartbeat_timeout,
-                max_busy_s=instance.max_busy,
-            )
-        ),
-        policy=RestartPolicy(
-            boot_grace_s=instance.boot_grace,
-            max_restarts=instance.max_restarts,
-            window_s=instance.restart_window,
-            backoff_max_s=instance.backoff_max,
-            backoff_reset_s=instance.backoff_reset,
-        ),
+    return compose.build_monitor(
+        instance,
         action=_with_stacks(instance, locator),
-        url=instance.url,
-        # Every rank's heartbeat when the server is an mlx.launch group (group.py).
-        heartbeat=(
-            heartbeat_tracker(
-                instance.heartbeat_file,
-                owner=(lambda: locator.find_cached().pid) if locator else None,
-            )
-            if instance.heartbeat_file else None
-        ),
         process=CpuSampler(locator.find_cached) if locator else None,
-        events=Events(instance.name),
+        owner=(lambda: locator.find_cached().pid) if locator else None,
         metrics=metrics,
         state=state,
-        throughput=ThroughputTracker(instance.heartbeat_file) if instance.heartbeat_file else None,
-        reports=ReportWatcher(reports.report_dir(instance.report_dir)),
     )
 
 

@@ -1,0 +1,86 @@
+"""The composition root: one Monitor from one InstanceConfig.
+
+`watch` builds a monitor for each configured instance, `supervise` one for
+its child, both here, so the two read the same options the same way. What
+differs is injected: how the server process is found (process evidence, the
+heartbeat's owner, the port's listener) and how it is restarted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from . import reports
+from .config import InstanceConfig
+from .group import heartbeat_tracker
+from .judge import Judge, JudgeConfig
+from .log import Events
+from .metrics import Metrics
+from .monitor import Monitor, ProcessEvidence, RestartAction
+from .policy import RestartPolicy
+from .probe import Probe, ProbeResult
+from .state import StateStore
+from .throughput import ReportWatcher, ThroughputTracker
+
+
+def judge_config(instance: InstanceConfig) -> JudgeConfig:
+    return JudgeConfig(
+        failures=instance.failures,
+        cpu_busy_fraction=instance.cpu_busy,
+        heartbeat_timeout_s=instance.heartbeat_timeout,
+        max_busy_s=instance.max_busy,
+    )
+
+
+def restart_policy(instance: InstanceConfig) -> RestartPolicy:
+    return RestartPolicy(
+        boot_grace_s=instance.boot_grace,
+        max_restarts=instance.max_restarts,
+        window_s=instance.restart_window,
+        backoff_max_s=instance.backoff_max,
+        backoff_reset_s=instance.backoff_reset,
+    )
+
+
+def build_monitor(
+    instance: InstanceConfig,
+    *,
+    action: Optional[RestartAction],  # None: watch and report, never restart
+    process: Optional[ProcessEvidence] = None,
+    owner: Optional[Callable[[], Optional[int]]] = None,  # the server's pid, for its heartbeat
+    listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
+    probe: Optional[Callable[[], ProbeResult]] = None,  # tests: instead of probing the URL
+    policy: Optional[RestartPolicy] = None,  # tests: instead of the instance's
+    metrics: Optional[Metrics] = None,
+    state: Optional[StateStore] = None,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+) -> Monitor:
+    heartbeat_file = instance.heartbeat_file
+    return Monitor(
+        instance.name,
+        probe or Probe(
+            instance.url,
+            timeout=instance.timeout,
+            model=instance.model,
+            api_key=instance.api_key,
+            check_health=instance.health_check,
+            cacert=instance.cacert,
+        ),
+        judge=Judge(judge_config(instance)),
+        policy=policy or restart_policy(instance),
+        action=action,
+        url=instance.url,
+        # Every rank's heartbeat when the server is an mlx.launch group (group.py).
+        heartbeat=heartbeat_tracker(heartbeat_file, owner=owner) if heartbeat_file else None,
+        process=process,
+        listener=listener,
+        events=Events(instance.name),
+        metrics=metrics,
+        state=state,
+        throughput=ThroughputTracker(heartbeat_file) if heartbeat_file else None,
+        reports=ReportWatcher(reports.report_dir(instance.report_dir)),
+        clock=clock,
+        wall_clock=wall_clock,
+    )
