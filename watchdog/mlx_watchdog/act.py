@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
@@ -17,7 +18,14 @@ from typing import Callable, List, Optional, Sequence
 import psutil
 
 from . import defaults
-from .process import ProcessLocator, ProcessNotFound, ProcessTable
+from .process import (
+    SURVIVED,
+    TERMINATED,
+    ProcessLocator,
+    ProcessNotFound,
+    ProcessTable,
+    terminate_with_grace,
+)
 from .redact import printable, scrub
 
 
@@ -169,12 +177,15 @@ class SignalRestart:
         try:
             proc = self.locator.find()
             pid = proc.pid
-            proc.terminate()
-            _continue(proc)
-            if not table.wait_gone([proc], self.grace_s):
+            outcome = terminate_with_grace(
+                lambda sig: _send(proc, sig),
+                lambda timeout: not table.wait_gone([proc], timeout),
+                self.grace_s,
+                kill_wait_s=5.0,
+            )
+            if outcome == TERMINATED:
                 return ActionResult(True, f"sent SIGTERM to pid {pid}; it exited")
-            proc.kill()
-            if table.wait_gone([proc], 5.0):
+            if outcome == SURVIVED:
                 return ActionResult(False, f"pid {pid} survived SIGKILL")
             return ActionResult(True, f"pid {pid} ignored SIGTERM for {self.grace_s:g}s; SIGKILLed")
         except ProcessNotFound as exc:
@@ -187,8 +198,12 @@ class SignalRestart:
             return ActionResult(False, f"cannot signal {self.locator}: {exc}")
 
 
-def _continue(proc) -> None:
-    """SIGCONT: a stopped process acts on SIGTERM only once continued."""
+def _send(proc, sig: int) -> None:
+    """SIGKILL, or SIGTERM then SIGCONT (terminate_with_grace)."""
+    if sig == signal.SIGKILL:
+        proc.kill()
+        return
+    proc.terminate()
     try:
         proc.resume()
     except psutil.NoSuchProcess:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -131,6 +132,33 @@ class ProcessLocator:
                 "make the pattern match only the server"
             )
         return found[0]
+
+
+TERMINATED, KILLED, SURVIVED = "terminated", "killed", "survived"
+
+
+def terminate_with_grace(
+    send: Callable[[int], None],
+    gone_within: Callable[[float], bool],
+    grace_s: float,
+    *,
+    first: Optional[int] = signal.SIGTERM,
+    kill_wait_s: float = 10.0,
+) -> str:
+    """Stop a process (or a process group): `first` (None: it was sent
+    already), up to grace_s for it to go, then SIGKILL and up to kill_wait_s.
+
+    send(sig) must make sig count: after any signal but SIGKILL also SIGCONT,
+    for a stopped process acts on a signal only once continued (as systemd
+    does). gone_within(t) waits up to t seconds; True once it is gone.
+    Returns TERMINATED, KILLED or SURVIVED (even SIGKILL).
+    """
+    if first is not None:
+        send(first)
+    if gone_within(grace_s):
+        return TERMINATED
+    send(signal.SIGKILL)
+    return KILLED if gone_within(kill_wait_s) else SURVIVED
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from .listener import ListenerCheck
 from .metrics import Metrics
 from .monitor import ProcessEvidence
 from .probe import ProbeResult
-from .process import CpuSampler, ProcessNotFound, ProcessSample
+from .process import CpuSampler, ProcessNotFound, ProcessSample, terminate_with_grace
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
 from .wakeup import Wakeup
@@ -81,27 +81,31 @@ class Child:
 
     def stop(self, grace_s: float, sig: Optional[int] = signal.SIGTERM) -> Optional[int]:
         """Send sig (if any) to the group, SIGKILL after grace_s; the exit code."""
-        if sig is not None:
-            self.signal_group(sig)
         try:
-            return self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self.signal_group(signal.SIGKILL)
-            try:
-                return self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                return None
+            terminate_with_grace(self.signal_group, self._exited_within, grace_s, first=sig)
+            return self.popen.poll()
         finally:
             self.signal_group(signal.SIGKILL)  # anything left in the group
 
     def end_group(self, grace_s: float) -> None:
         """The leader has exited: end what is left of its group (grandchildren).
         SIGTERM, SIGKILL after grace_s."""
-        self.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self._group_exists() and time.monotonic() < deadline:
+        terminate_with_grace(self.signal_group, self._group_gone_within, grace_s, kill_wait_s=0)
+
+    def _exited_within(self, timeout: float) -> bool:
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _group_gone_within(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._group_exists():
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.05)
-        self.signal_group(signal.SIGKILL)
+        return True
 
     def _group_exists(self) -> bool:
         try:
