@@ -1,7 +1,10 @@
 """The `mlx-watchdog` command line.
 
-Each family of commands lives in its own module and is attached here, so that
-`mlx-watchdog probe` does not pay for importing the installer, and so on.
+Each family of commands lives in its own module, imported only when that
+command runs (or for its --help), so `mlx-watchdog probe`, run every few
+seconds as a health check, loads click and the probe, not prometheus_client,
+the installer or the daemon machinery (tests/test_cli_light.py checks). Bare
+`mlx-watchdog --help` imports every command module to list their help.
 """
 
 from __future__ import annotations
@@ -14,9 +17,7 @@ import click
 from . import __version__
 
 
-# Each command: (module, attribute). Imported only when it runs (or for --help),
-# so `mlx-watchdog probe` does not load prometheus_client, the installer or
-# the daemon machinery (click's LazyGroup pattern).
+# Each command: (module, attribute), imported on demand (click's LazyGroup pattern).
 _LAZY = {
     "probe": ("probe_cli", "probe_command"),
     "supervise": ("daemon_cli", "supervise_command"),

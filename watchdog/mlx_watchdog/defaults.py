@@ -1,7 +1,10 @@
-"""Every default the watchdog uses, in one place.
+"""The watchdog's tunable defaults and the names it shares with the shim.
 
-The CLI, the config file and the library classes all read their defaults from
-here, so `mlx-watchdog supervise --help` and the README never disagree.
+The CLI, the config file and the library classes read these from here, so
+`mlx-watchdog supervise --help`, a watch config and the README agree. Paths
+that depend on the platform (the state file, the report folder) are computed
+where they are used (state.py, reports.py); the shim keeps its own defaults
+(sitecustomize/mlx_hotfix/config.py).
 """
 
 URL = "http://127.0.0.1:8080"

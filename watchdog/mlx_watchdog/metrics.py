@@ -33,7 +33,9 @@ class Metrics:
         )
         self.restarts = Counter(
             "mlx_watchdog_restarts",
-            "Restarts attempted, by cause (wedged, down, exited ...).",
+            "Restarts attempted; the reason label is the judge's cause "
+            "(dead-thread, heartbeat-stale, stalled, exited ...).",
+            # "reason", though it holds a cause: dashboards already query it.
             ["instance", "reason"],
             registry=self.registry,
         )
