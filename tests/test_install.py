@@ -25,7 +25,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mlx_watchdog import install_cli, launchd, services, shim, systemd
+from mlx_watchdog import shim
+from mlx_watchdog.install import instance, launchd, reference, systemd
 from mlx_watchdog.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -798,7 +799,7 @@ def test_generated_configs_load_in_the_watch_config_parser(env):
     assert env.install("systemd", "--name", "qwen.8b", port=port).exit_code == 0
     assert env.install("launchd", "--name", "qwen.8b", port=port).exit_code == 0
     paths = [env.user_config / "qwen.8b.toml", env.support / "qwen.8b.toml"]
-    for rel in install_cli.reference_files():
+    for rel in reference.reference_files():
         if rel.endswith(".toml"):
             paths.append(REPO / rel)
     for path in paths:
@@ -837,21 +838,21 @@ def test_quote_exec_arg():
 
 
 def test_probe_url():
-    assert services.probe_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
-    assert services.probe_url("::", 8080) == "http://[::1]:8080"
-    assert services.probe_url("::1", 8080) == "http://[::1]:8080"
-    assert services.probe_url("localhost", 1) == "http://localhost:1"
+    assert instance.probe_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
+    assert instance.probe_url("::", 8080) == "http://[::1]:8080"
+    assert instance.probe_url("::1", 8080) == "http://[::1]:8080"
+    assert instance.probe_url("localhost", 1) == "http://localhost:1"
 
 
 def test_reference_files_match_the_code():
-    problems = install_cli.reference_drift(REPO)
+    problems = reference.reference_drift(REPO)
     assert problems == [], (
         "launchd/ or systemd/ drifted from the code; run scripts/write-service-reference:\n"
         + "\n".join(problems))
 
 
 def test_reference_files_parse():
-    files = install_cli.reference_files()
+    files = reference.reference_files()
     for rel, data in files.items():
         if rel.endswith(".plist"):
             assert plistlib.loads(data)["Label"] + ".plist" == Path(rel).name
@@ -866,7 +867,7 @@ def test_python_dash_m_entry_points(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "ThrottleInterval" in out.stdout
-    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install_cli", "--check-reference",
+    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install.reference", "--check-reference",
                             str(REPO)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     # Drift is detected.
@@ -875,7 +876,7 @@ def test_python_dash_m_entry_points(tmp_path):
     shutil.copytree(REPO / "systemd", copy / "systemd")
     unit = copy / "systemd" / "mlx-8080-server.service"
     unit.write_text(unit.read_text().replace("WatchdogSec=60", "WatchdogSec=61"))
-    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install_cli", "--check-reference",
+    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install.reference", "--check-reference",
                             str(copy)], capture_output=True, text=True)
     assert check.returncode == 1
     assert "differs: systemd/mlx-8080-server.service" in check.stderr

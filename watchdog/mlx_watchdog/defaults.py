@@ -48,3 +48,8 @@ API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
+
+# Service managers (install, uninstall)
+MANAGERS = ("launchd", "systemd")
+# The launchd domain of a user's LaunchAgents: LAUNCHD_GUI_DOMAIN.format(uid=...)
+LAUNCHD_GUI_DOMAIN = "gui/{uid}"

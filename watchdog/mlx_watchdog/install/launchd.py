@@ -1,6 +1,7 @@
 """launchd (macOS) definitions: two LaunchAgents per instance, built with plistlib.
 
-Pure rendering functions; install_cli.py writes and loads them.
+Rendering is pure (the plists and the launchctl command lines); LaunchdBackend
+loads and unloads them through a commands.Runner for execute.py.
 
 Choices, and why:
 - Server KeepAlive = {SuccessfulExit: false, Crashed: true}: relaunch after
@@ -29,11 +30,16 @@ Choices, and why:
 from __future__ import annotations
 
 import plistlib
+import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping
 
-from . import defaults
-from .services import LABEL_PREFIX, MARKER, Instance, watchdog_config_toml
+from .. import defaults
+from .instance import LABEL_PREFIX, MARKER, Instance, Layout, watchdog_config_toml
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commands import Runner
+    from .plan import Plan
 
 SERVER_THROTTLE_INTERVAL = 30
 # launchd's SIGTERM-to-SIGKILL time (default 20 s), raised to the watchdog's
@@ -124,7 +130,7 @@ def render(inst: Instance) -> Dict[Path, bytes]:
 # ---- launchctl command lines ----
 
 def domain(uid: int) -> str:
-    return f"gui/{uid}"
+    return defaults.LAUNCHD_GUI_DOMAIN.format(uid=uid)
 
 
 def service_target(uid: int, label: str) -> str:
@@ -149,9 +155,67 @@ def labels(name: str) -> List[str]:
     return [server_label(name), watchdog_label(name)]
 
 
-def label_of(path: Path) -> Optional[str]:
-    try:
-        with open(path, "rb") as fh:
-            return plistlib.load(fh).get("Label")
-    except Exception:
-        return None
+# ---- the backend (backend.ServiceBackend) ----
+
+class LaunchdBackend:
+    manager = "launchd"
+    supports_system = False
+    root_warning = ("launchd agents of root (gui/0) rarely run: install as the user who is "
+                    "logged in")
+
+    def service_names(self, name: str) -> List[str]:
+        return labels(name)
+
+    def definition_paths(self, unit_dir: Path, name: str) -> List[Path]:
+        return [plist_path(unit_dir, label) for label in labels(name)]
+
+    def standard_layout(self, *, home: Path, system: bool,
+                        environ: Mapping[str, str]) -> Layout:
+        support = home / "Library" / "Application Support" / "mlx-watchdog"
+        return Layout(home / "Library" / "LaunchAgents", support, support,
+                      home / "Library" / "Logs" / "mlx-watchdog")
+
+    def check_executable(self, path: str) -> None:
+        pass  # ProgramArguments is a list: any path will do
+
+    def render(self, inst: Instance) -> Dict[Path, bytes]:
+        return render(inst)
+
+    def restart_action(self, inst: Instance) -> Dict[str, object]:
+        return restart_action(inst)
+
+    def load(self, plan: "Plan", runner: "Runner") -> None:
+        # A re-install unloads the old jobs first, then loads the new.
+        self._bootout(plan.inst.name, plan.uid, runner, wait=True)
+        for plist in self.definition_paths(plan.inst.layout.unit_dir, plan.inst.name):
+            runner.step(bootstrap_argv(plan.uid, plist))
+
+    def unload(self, name: str, *, system: bool, uid: int, runner: "Runner",
+               definitions_present: bool) -> None:
+        self._bootout(name, uid, runner, wait=False)
+
+    def after_removal(self, *, system: bool, runner: "Runner") -> None:
+        pass
+
+    def installed_notes(self, inst: Instance) -> List[str]:
+        return [f"logs: {inst.layout.log_dir}/{inst.name}.{{out,err}}.log"]
+
+    @staticmethod
+    def _bootout(name: str, uid: int, runner: "Runner", *, wait: bool) -> None:
+        """Boot out the loaded jobs, the watchdog first (so that it does not
+        restart the server while it is being stopped)."""
+        for label in reversed(labels(name)):
+            if runner.dry_run:
+                runner.show(bootout_argv(uid, label), "only if loaded")
+            elif runner.succeeds(print_argv(uid, label)):
+                runner.run(bootout_argv(uid, label))
+                if wait:
+                    _wait_unloaded(uid, label, runner)
+
+
+def _wait_unloaded(uid: int, label: str, runner: "Runner", timeout: float = 10.0) -> None:
+    # bootout can return before launchd has forgotten the job; bootstrapping
+    # it again too early fails with "Bootstrap failed: 5: Input/output error".
+    deadline = time.monotonic() + timeout
+    while runner.succeeds(print_argv(uid, label)) and time.monotonic() < deadline:
+        time.sleep(0.2)
