@@ -163,7 +163,7 @@ class Instance:
     def server_env(self) -> Dict[str, str]:
         env = {
             "PYTHONPATH": self.shim_dir,
-            "MLX_HOTFIX_HEARTBEAT_FILE": str(self.heartbeat_file),
+            defaults.HEARTBEAT_ENV: str(self.heartbeat_file),
             # Service logs (a file or the journal): do not hold output in a buffer.
             "PYTHONUNBUFFERED": "1",
         }

@@ -62,34 +62,38 @@ def plist_path(unit_dir: Path, label: str) -> Path:
 
 
 def server_plist(inst: Instance) -> dict:
-    log_dir = _log_dir(inst)
-    return {
-        "Label": server_label(inst.name),
-        "ProgramArguments": inst.server_argv(),
-        "EnvironmentVariables": inst.server_env(),
-        "RunAtLoad": True,
-        "KeepAlive": {"SuccessfulExit": False, "Crashed": True},
-        "ThrottleInterval": SERVER_THROTTLE_INTERVAL,
+    return _job(
+        inst, server_label(inst.name), inst.server_argv(), inst.server_env(), inst.name,
+        KeepAlive={"SuccessfulExit": False, "Crashed": True},
+        ThrottleInterval=SERVER_THROTTLE_INTERVAL,
         # SIGTERM, then SIGKILL after this long: the watchdog's stop grace.
-        "ExitTimeOut": SERVER_EXIT_TIMEOUT,
-        "ProcessType": "Interactive",
-        "StandardOutPath": str(log_dir / f"{inst.name}.out.log"),
-        "StandardErrorPath": str(log_dir / f"{inst.name}.err.log"),
-    }
+        ExitTimeOut=SERVER_EXIT_TIMEOUT,
+        ProcessType="Interactive",
+    )
 
 
 def watchdog_plist(inst: Instance) -> dict:
+    return _job(
+        inst, watchdog_label(inst.name), inst.watchdog_argv(), inst.watchdog_env(),
+        f"{inst.name}.watchdog",
+        KeepAlive=True,
+        ThrottleInterval=WATCHDOG_THROTTLE_INTERVAL,
+        ProcessType="Standard",
+    )
+
+
+def _job(inst: Instance, label: str, argv: List[str], env: Dict[str, str], log_stem: str,
+         **settings: object) -> dict:
+    """A job started at load, logging to <log_dir>/<log_stem>.{out,err}.log."""
     log_dir = _log_dir(inst)
     return {
-        "Label": watchdog_label(inst.name),
-        "ProgramArguments": inst.watchdog_argv(),
-        "EnvironmentVariables": inst.watchdog_env(),
+        "Label": label,
+        "ProgramArguments": argv,
+        "EnvironmentVariables": env,
         "RunAtLoad": True,
-        "KeepAlive": True,
-        "ThrottleInterval": WATCHDOG_THROTTLE_INTERVAL,
-        "ProcessType": "Standard",
-        "StandardOutPath": str(log_dir / f"{inst.name}.watchdog.out.log"),
-        "StandardErrorPath": str(log_dir / f"{inst.name}.watchdog.err.log"),
+        "StandardOutPath": str(log_dir / f"{log_stem}.out.log"),
+        "StandardErrorPath": str(log_dir / f"{log_stem}.err.log"),
+        **settings,
     }
 
 
@@ -178,11 +182,8 @@ class LaunchdBackend:
     def check_executable(self, path: str) -> None:
         pass  # ProgramArguments is a list: any path will do
 
-    def render(self, inst: Instance) -> Dict[Path, bytes]:
-        return render(inst)
-
-    def restart_action(self, inst: Instance) -> Dict[str, object]:
-        return restart_action(inst)
+    render = staticmethod(render)
+    restart_action = staticmethod(restart_action)
 
     def load(self, plan: "Plan", runner: "Runner") -> None:
         # A re-install unloads the old jobs first, then loads the new.

@@ -295,14 +295,9 @@ class SystemdBackend:
         return Layout(config / "systemd" / "user", config / "mlx-watchdog",
                       _xdg(environ, "XDG_STATE_HOME", home / ".local" / "state") / "mlx-watchdog")
 
-    def check_executable(self, path: str) -> None:
-        check_executable(path)
-
-    def render(self, inst: Instance) -> Dict[Path, bytes]:
-        return render(inst)
-
-    def restart_action(self, inst: Instance) -> Dict[str, object]:
-        return restart_action(inst)
+    check_executable = staticmethod(check_executable)
+    render = staticmethod(render)
+    restart_action = staticmethod(restart_action)
 
     def load(self, plan: "Plan", runner: "Runner") -> None:
         inst = plan.inst
