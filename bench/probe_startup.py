@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ["probe", "--url", "http://127.0.0.1:9", "--timeout", "1"]
-EAGER = ("import sys, mlx_watchdog.daemon_cli, mlx_watchdog.install_cli, "
+EAGER = ("import sys, mlx_watchdog.daemon_cli, mlx_watchdog.install.cli, "
          "mlx_watchdog.reports_cli; from mlx_watchdog.cli import main; "
          "sys.argv = ['mlx-watchdog'] + sys.argv[1:]; main()")
 LAZY = ("import sys; from mlx_watchdog.cli import main; "

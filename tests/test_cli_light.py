@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from mlx_watchdog import reports
 from mlx_watchdog.cli import main
 
-HEAVY = ("prometheus_client", "mlx_watchdog.install_cli", "mlx_watchdog.daemon_cli",
-         "mlx_watchdog.services", "mlx_watchdog.metrics", "mlx_watchdog.supervise",
+HEAVY = ("prometheus_client", "mlx_watchdog.install.cli", "mlx_watchdog.daemon_cli",
+         "mlx_watchdog.install.instance", "mlx_watchdog.metrics", "mlx_watchdog.supervise",
          "psutil")
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mlx_watchdog import defaults, probe as probe_module, systemd
+from mlx_watchdog import defaults, probe as probe_module
+from mlx_watchdog.install import systemd
 from mlx_watchdog.act import CommandRestart
 from mlx_watchdog.cli import main
 from mlx_watchdog.config import (
@@ -95,10 +96,11 @@ def test_a_fifo_planted_as_the_lock_or_heartbeat_never_blocks(tmp_path):
 
 
 def test_the_root_watchdog_keeps_its_state_in_a_root_owned_folder_of_its_own(tmp_path):
-    from mlx_watchdog import services as sv
+    from mlx_watchdog.install.backend import default_layout
+    from mlx_watchdog.install.instance import Instance, watchdog_config_toml
 
-    layout = sv.default_layout("systemd", home=tmp_path, system=True)
-    inst = sv.Instance(
+    layout = default_layout("systemd", home=tmp_path, system=True)
+    inst = Instance(
         manager="systemd", name="m", model="/m", host="127.0.0.1", port=8080,
         python="/usr/bin/python3", watchdog_python="/usr/bin/python3", shim_dir="/s",
         layout=layout, system=True, user_name="daemon",
@@ -107,7 +109,7 @@ def test_the_root_watchdog_keeps_its_state_in_a_root_owned_folder_of_its_own(tmp
     server = systemd.server_unit(inst)
     assert "StateDirectory=mlx-watchdog-root\n" in watchdog
     assert "StateDirectory=mlx-watchdog\n" in server
-    toml = sv.watchdog_config_toml(inst, systemd.restart_action(inst))
+    toml = watchdog_config_toml(inst, systemd.restart_action(inst))
     assert 'state_file = "/var/lib/mlx-watchdog-root/m.state.json"' in toml
     assert "/var/lib/mlx-watchdog/m.heartbeat" in toml  # the server's, read only
 

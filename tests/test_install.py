@@ -25,7 +25,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mlx_watchdog import install_cli, launchd, services, shim, systemd
+from mlx_watchdog import shim
+from mlx_watchdog.install import instance, launchd, reference, systemd
 from mlx_watchdog.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,6 +128,11 @@ class Env:
     def user_config(self) -> Path:
         return self.home / ".config" / "mlx-watchdog"
 
+    def launchd_targets(self, name: str) -> List[str]:
+        """launchctl's gui/UID/LABEL of the watchdog and the server."""
+        return [f"gui/{self.uid}/io.github.mlx-watchdog.{name}.{role}"
+                for role in ("watchdog", "server")]
+
     def calls(self) -> List[List[str]]:
         if not self.log.exists():
             return []
@@ -134,10 +140,30 @@ class Env:
         self.log.unlink()
         return calls
 
-    def install(self, manager: str, *args: str, port: int, model: str = None):
-        argv = ["install", manager, "--model", model or str(self.model), "--port", str(port),
+    def install_argv(self, manager: str, *args: str, port: int, model: str = None) -> List[str]:
+        return ["install", manager, "--model", model or str(self.model), "--port", str(port),
                 "--python", PYTHON, *args]
-        return invoke(argv)
+
+    def install(self, manager: str, *args: str, port: int, model: str = None):
+        return invoke(self.install_argv(manager, *args, port=port, model=model))
+
+    def installed(self, manager: str, *args: str, port: int = None, model: str = None):
+        """install, which must succeed; (port, default instance name)."""
+        port = free_port() if port is None else port
+        result = self.install(manager, *args, port=port, model=model)
+        assert result.exit_code == 0, result.output
+        return port, f"mlx-{port}"
+
+    def fails_at(self, monkeypatch, command: str, argv: List[str]):
+        """argv (install or uninstall) with the fake manager's `command`
+        failing: exit status 1, naming the command. Returns the result."""
+        tool = "launchctl" if argv[1] == "launchd" else "systemctl"
+        monkeypatch.setenv(f"FAKE_{tool.upper()}_FAIL", command)
+        result = invoke(argv)
+        monkeypatch.delenv(f"FAKE_{tool.upper()}_FAIL")
+        assert result.exit_code == 1, result.output
+        assert f"{tool} " in result.output and f" {command}" in result.output, result.output
+        return result
 
 
 def invoke(argv):
@@ -214,10 +240,7 @@ def systemd_verify(tmp_path: Path, paths, *, user: bool = False) -> None:
 
 
 def test_launchd_install_writes_plists_and_bootstraps(env):
-    port = free_port()
-    name = f"mlx-{port}"
-    result = env.install("launchd", port=port)
-    assert result.exit_code == 0, result.output
+    port, name = env.installed("launchd")
 
     server = env.launch_agents / f"io.github.mlx-watchdog.{name}.server.plist"
     watchdog = env.launch_agents / f"io.github.mlx-watchdog.{name}.watchdog.plist"
@@ -279,15 +302,12 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
 
 
 def test_launchd_reinstall_boots_out_then_bootstraps_and_updates(env):
-    port = free_port()
-    name = f"mlx-{port}"
-    assert env.install("launchd", port=port).exit_code == 0
+    port, name = env.installed("launchd")
     env.calls()
     result = env.install("launchd", "--offline", port=port)
     assert result.exit_code == 0, result.output
     uid = env.uid
-    w = f"gui/{uid}/io.github.mlx-watchdog.{name}.watchdog"
-    s = f"gui/{uid}/io.github.mlx-watchdog.{name}.server"
+    w, s = env.launchd_targets(name)
     assert env.calls() == [
         ["launchctl", "print", w],
         ["launchctl", "bootout", w],
@@ -305,9 +325,7 @@ def test_launchd_reinstall_boots_out_then_bootstraps_and_updates(env):
 
 
 def test_launchd_uninstall_boots_out_and_removes_only_its_files(env):
-    port = free_port()
-    name = f"mlx-{port}"
-    assert env.install("launchd", port=port).exit_code == 0
+    port, name = env.installed("launchd")
     env.calls()
     # Unrelated files next to ours must survive.
     env.launch_agents.joinpath("com.example.other.plist").write_bytes(
@@ -317,9 +335,7 @@ def test_launchd_uninstall_boots_out_and_removes_only_its_files(env):
 
     result = invoke(["uninstall", "launchd", "--name", name])
     assert result.exit_code == 0, result.output
-    uid = env.uid
-    w = f"gui/{uid}/io.github.mlx-watchdog.{name}.watchdog"
-    s = f"gui/{uid}/io.github.mlx-watchdog.{name}.server"
+    w, s = env.launchd_targets(name)
     assert env.calls() == [
         ["launchctl", "print", w],
         ["launchctl", "bootout", w],
@@ -333,10 +349,7 @@ def test_launchd_uninstall_boots_out_and_removes_only_its_files(env):
 def test_launchd_bootstrap_failure_is_reported_and_files_stay(env, monkeypatch):
     port = free_port()
     name = f"mlx-{port}"
-    monkeypatch.setenv("FAKE_LAUNCHCTL_FAIL", "bootstrap")
-    result = env.install("launchd", port=port)
-    assert result.exit_code == 1
-    assert "launchctl bootstrap" in result.output
+    result = env.fails_at(monkeypatch, "bootstrap", env.install_argv("launchd", port=port))
     assert "exit status 5" in result.output
     assert "Input/output error" in result.output
     assert f"mlx-watchdog uninstall launchd --name {name}" in result.output
@@ -347,7 +360,6 @@ def test_launchd_bootstrap_failure_is_reported_and_files_stay(env, monkeypatch):
     assert len(tree(env.launch_agents)) == 2
     assert (env.support / f"{name}.install.json").exists()
 
-    monkeypatch.delenv("FAKE_LAUNCHCTL_FAIL")
     result = invoke(["uninstall", "launchd", "--port", str(port)])
     assert result.exit_code == 0, result.output
     assert [c[1] for c in env.calls()] == ["print", "print"]  # nothing loaded: no bootout
@@ -356,12 +368,8 @@ def test_launchd_bootstrap_failure_is_reported_and_files_stay(env, monkeypatch):
 
 
 def test_launchd_bootout_failure_keeps_files(env, monkeypatch):
-    port = free_port()
-    assert env.install("launchd", port=port).exit_code == 0
-    monkeypatch.setenv("FAKE_LAUNCHCTL_FAIL", "bootout")
-    result = invoke(["uninstall", "launchd", "--port", str(port)])
-    assert result.exit_code == 1
-    assert "launchctl bootout" in result.output
+    port, _ = env.installed("launchd")
+    env.fails_at(monkeypatch, "bootout", ["uninstall", "launchd", "--port", str(port)])
     assert len(tree(env.launch_agents)) == 2
 
 
@@ -369,8 +377,8 @@ def test_launchd_two_instances_get_their_own_labels(env):
     p1, p2 = free_port(), free_port()
     while p2 == p1:
         p2 = free_port()
-    assert env.install("launchd", port=p1).exit_code == 0
-    assert env.install("launchd", "--name", "second", port=p2).exit_code == 0
+    env.installed("launchd", port=p1)
+    env.installed("launchd", "--name", "second", port=p2)
     plists = sorted(env.launch_agents.glob("*.plist"))
     labels = [load_plist(p)["Label"] for p in plists]
     assert len(labels) == 4 and len(set(labels)) == 4
@@ -433,11 +441,8 @@ def test_server_args_after_double_dash(env):
 
 
 def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
-    port = free_port()
-    name = f"mlx-{port}"
+    port, name = env.installed("systemd")
     su, wu = f"{name}-server.service", f"{name}-watchdog.service"
-    result = env.install("systemd", port=port)
-    assert result.exit_code == 0, result.output
     assert env.calls() == [
         ["systemctl", "--user", "daemon-reload"],
         ["systemctl", "--user", "enable", "--now", su, wu],
@@ -476,8 +481,7 @@ def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
 
 @needs_verify
 def test_systemd_units_pass_verify(env, tmp_path):
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     units = sorted(env.user_units.glob("*.service"))
     assert len(units) == 2
     systemd_verify(tmp_path, units)
@@ -566,9 +570,7 @@ def test_systemd_system_install_in_custom_dir_enables_by_path(env, tmp_path, mon
 def test_systemd_enable_failure(env, monkeypatch):
     port = free_port()
     name = f"mlx-{port}"
-    monkeypatch.setenv("FAKE_SYSTEMCTL_FAIL", "enable")
-    result = env.install("systemd", port=port)
-    assert result.exit_code == 1
+    result = env.fails_at(monkeypatch, "enable", env.install_argv("systemd", port=port))
     assert "systemctl --user enable --now" in result.output
     assert "Access denied" in result.output
     assert f"mlx-watchdog uninstall systemd --name {name}" in result.output
@@ -576,18 +578,14 @@ def test_systemd_enable_failure(env, monkeypatch):
     assert sorted(p.name for p in env.user_units.iterdir()) == [
         f"{name}-server.service", f"{name}-watchdog.service"]
     # Fixed: re-running install completes it.
-    monkeypatch.delenv("FAKE_SYSTEMCTL_FAIL")
-    assert env.install("systemd", port=port).exit_code == 0
+    env.installed("systemd", port=port)
     assert [c[2] for c in env.calls()] == ["daemon-reload", "enable", "restart"]
 
 
 def test_systemd_disable_failure_removes_nothing(env, monkeypatch):
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     env.calls()
-    monkeypatch.setenv("FAKE_SYSTEMCTL_FAIL", "disable")
-    result = invoke(["uninstall", "systemd", "--port", str(port)])
-    assert result.exit_code == 1
+    result = env.fails_at(monkeypatch, "disable", ["uninstall", "systemd", "--port", str(port)])
     assert "Nothing was removed" in result.output
     assert [c[2] for c in env.calls()] == ["disable"]
     assert len(list(env.user_units.glob("*.service"))) == 2
@@ -604,8 +602,7 @@ def test_systemd_missing_systemctl(env, monkeypatch):
 
 def test_shared_output_dir_keeps_managers_apart(env, tmp_path):
     out = tmp_path / "out"
-    port = free_port()
-    assert env.install("launchd", "--dry-run", "--output-dir", str(out), port=port).exit_code == 0
+    port, _ = env.installed("launchd", "--dry-run", "--output-dir", str(out))
     result = env.install("systemd", "--dry-run", "--output-dir", str(out), port=port)
     _fails_naming(result, "--name")
     assert "installed for launchd" in result.output
@@ -619,8 +616,7 @@ def test_xdg_dirs_are_honoured(env, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "st"))
     monkeypatch.setenv("FAKE_SYSTEMD_UNIT_DIR", str(tmp_path / "cfg" / "systemd" / "user"))
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     assert (tmp_path / "cfg" / "systemd" / "user" / f"mlx-{port}-server.service").exists()
     cfg = tomllib.loads((tmp_path / "cfg" / "mlx-watchdog" / f"mlx-{port}.toml").read_text())
     assert cfg["state_file"] == str(tmp_path / "st" / "mlx-watchdog" / f"mlx-{port}.state.json")
@@ -645,8 +641,7 @@ def test_refuses_to_overwrite_a_foreign_unit(env):
 
 
 def test_shim_dir_comes_from_mlx_watchdog_shim(env):
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     text = (env.user_units / f"mlx-{port}-server.service").read_text()
     assert f"Environment=PYTHONPATH={env.shim}\n" in text
 
@@ -696,12 +691,11 @@ def test_port_in_use(env):
 
 
 def test_reinstall_skips_the_port_check_for_its_own_server(env):
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     with socket.socket() as listener:  # our server, now running
         listener.bind(("127.0.0.1", port))
         listener.listen(1)
-        assert env.install("systemd", port=port).exit_code == 0
+        env.installed("systemd", port=port)
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "http"])
@@ -745,8 +739,7 @@ def test_bad_name(env, name):
 
 
 def test_dotted_name_is_a_quoted_toml_key(env):
-    port = free_port()
-    assert env.install("systemd", "--name", "qwen.8b", port=port).exit_code == 0
+    port, _ = env.installed("systemd", "--name", "qwen.8b")
     cfg = tomllib.loads((env.user_config / "qwen.8b.toml").read_text())
     assert list(cfg["instances"]) == ["qwen.8b"]
 
@@ -786,19 +779,17 @@ def test_real_drop_in_folder_is_the_default(env, monkeypatch):
         real = shim.shim_dir()
     except FileNotFoundError:
         pytest.skip("the drop-in folder is not there yet")
-    port = free_port()
-    assert env.install("systemd", port=port).exit_code == 0
+    port, _ = env.installed("systemd")
     text = (env.user_units / f"mlx-{port}-server.service").read_text()
     assert systemd.environment_line("PYTHONPATH", str(real)) + "\n" in text
 
 
 def test_generated_configs_load_in_the_watch_config_parser(env):
     config = pytest.importorskip("mlx_watchdog.config")
-    port = free_port()
-    assert env.install("systemd", "--name", "qwen.8b", port=port).exit_code == 0
-    assert env.install("launchd", "--name", "qwen.8b", port=port).exit_code == 0
+    port, _ = env.installed("systemd", "--name", "qwen.8b")
+    env.installed("launchd", "--name", "qwen.8b", port=port)
     paths = [env.user_config / "qwen.8b.toml", env.support / "qwen.8b.toml"]
-    for rel in install_cli.reference_files():
+    for rel in reference.reference_files():
         if rel.endswith(".toml"):
             paths.append(REPO / rel)
     for path in paths:
@@ -837,21 +828,21 @@ def test_quote_exec_arg():
 
 
 def test_probe_url():
-    assert services.probe_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
-    assert services.probe_url("::", 8080) == "http://[::1]:8080"
-    assert services.probe_url("::1", 8080) == "http://[::1]:8080"
-    assert services.probe_url("localhost", 1) == "http://localhost:1"
+    assert instance.probe_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
+    assert instance.probe_url("::", 8080) == "http://[::1]:8080"
+    assert instance.probe_url("::1", 8080) == "http://[::1]:8080"
+    assert instance.probe_url("localhost", 1) == "http://localhost:1"
 
 
 def test_reference_files_match_the_code():
-    problems = install_cli.reference_drift(REPO)
+    problems = reference.reference_drift(REPO)
     assert problems == [], (
         "launchd/ or systemd/ drifted from the code; run scripts/write-service-reference:\n"
         + "\n".join(problems))
 
 
 def test_reference_files_parse():
-    files = install_cli.reference_files()
+    files = reference.reference_files()
     for rel, data in files.items():
         if rel.endswith(".plist"):
             assert plistlib.loads(data)["Label"] + ".plist" == Path(rel).name
@@ -866,7 +857,7 @@ def test_python_dash_m_entry_points(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "ThrottleInterval" in out.stdout
-    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install_cli", "--check-reference",
+    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install.reference", "--check-reference",
                             str(REPO)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     # Drift is detected.
@@ -875,7 +866,7 @@ def test_python_dash_m_entry_points(tmp_path):
     shutil.copytree(REPO / "systemd", copy / "systemd")
     unit = copy / "systemd" / "mlx-8080-server.service"
     unit.write_text(unit.read_text().replace("WatchdogSec=60", "WatchdogSec=61"))
-    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install_cli", "--check-reference",
+    check = subprocess.run([PYTHON, "-m", "mlx_watchdog.install.reference", "--check-reference",
                             str(copy)], capture_output=True, text=True)
     assert check.returncode == 1
     assert "differs: systemd/mlx-8080-server.service" in check.stderr

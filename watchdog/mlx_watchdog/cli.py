@@ -23,8 +23,8 @@ _LAZY = {
     "supervise": ("daemon_cli", "supervise_command"),
     "watch": ("daemon_cli", "watch_command"),
     "status": ("daemon_cli", "status_command"),
-    "install": ("install_cli", "install_command"),
-    "uninstall": ("install_cli", "uninstall_command"),
+    "install": ("install.cli", "install_command"),
+    "uninstall": ("install.cli", "uninstall_command"),
     "reports": ("reports_cli", "reports_command"),
     "doctor": ("doctor", "doctor_command"),
 }

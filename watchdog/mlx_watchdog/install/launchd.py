@@ -1,6 +1,7 @@
 """launchd (macOS) definitions: two LaunchAgents per instance, built with plistlib.
 
-Pure rendering functions; install_cli.py writes and loads them.
+Rendering is pure (the plists and the launchctl command lines); LaunchdBackend
+loads and unloads them through a commands.Runner for execute.py.
 
 Choices, and why:
 - Server KeepAlive = {SuccessfulExit: false, Crashed: true}: relaunch after
@@ -29,11 +30,16 @@ Choices, and why:
 from __future__ import annotations
 
 import plistlib
+import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Mapping
 
-from . import defaults
-from .services import LABEL_PREFIX, MARKER, Instance, watchdog_config_toml
+from .. import defaults
+from .instance import LABEL_PREFIX, MARKER, Instance, Layout, watchdog_config_toml
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commands import Runner
+    from .plan import Plan
 
 SERVER_THROTTLE_INTERVAL = 30
 # launchd's SIGTERM-to-SIGKILL time (default 20 s), raised to the watchdog's
@@ -56,34 +62,38 @@ def plist_path(unit_dir: Path, label: str) -> Path:
 
 
 def server_plist(inst: Instance) -> dict:
-    log_dir = _log_dir(inst)
-    return {
-        "Label": server_label(inst.name),
-        "ProgramArguments": inst.server_argv(),
-        "EnvironmentVariables": inst.server_env(),
-        "RunAtLoad": True,
-        "KeepAlive": {"SuccessfulExit": False, "Crashed": True},
-        "ThrottleInterval": SERVER_THROTTLE_INTERVAL,
+    return _job(
+        inst, server_label(inst.name), inst.server_argv(), inst.server_env(), inst.name,
+        KeepAlive={"SuccessfulExit": False, "Crashed": True},
+        ThrottleInterval=SERVER_THROTTLE_INTERVAL,
         # SIGTERM, then SIGKILL after this long: the watchdog's stop grace.
-        "ExitTimeOut": SERVER_EXIT_TIMEOUT,
-        "ProcessType": "Interactive",
-        "StandardOutPath": str(log_dir / f"{inst.name}.out.log"),
-        "StandardErrorPath": str(log_dir / f"{inst.name}.err.log"),
-    }
+        ExitTimeOut=SERVER_EXIT_TIMEOUT,
+        ProcessType="Interactive",
+    )
 
 
 def watchdog_plist(inst: Instance) -> dict:
+    return _job(
+        inst, watchdog_label(inst.name), inst.watchdog_argv(), inst.watchdog_env(),
+        f"{inst.name}.watchdog",
+        KeepAlive=True,
+        ThrottleInterval=WATCHDOG_THROTTLE_INTERVAL,
+        ProcessType="Standard",
+    )
+
+
+def _job(inst: Instance, label: str, argv: List[str], env: Dict[str, str], log_stem: str,
+         **settings: object) -> dict:
+    """A job started at load, logging to <log_dir>/<log_stem>.{out,err}.log."""
     log_dir = _log_dir(inst)
     return {
-        "Label": watchdog_label(inst.name),
-        "ProgramArguments": inst.watchdog_argv(),
-        "EnvironmentVariables": inst.watchdog_env(),
+        "Label": label,
+        "ProgramArguments": argv,
+        "EnvironmentVariables": env,
         "RunAtLoad": True,
-        "KeepAlive": True,
-        "ThrottleInterval": WATCHDOG_THROTTLE_INTERVAL,
-        "ProcessType": "Standard",
-        "StandardOutPath": str(log_dir / f"{inst.name}.watchdog.out.log"),
-        "StandardErrorPath": str(log_dir / f"{inst.name}.watchdog.err.log"),
+        "StandardOutPath": str(log_dir / f"{log_stem}.out.log"),
+        "StandardErrorPath": str(log_dir / f"{log_stem}.err.log"),
+        **settings,
     }
 
 
@@ -149,9 +159,64 @@ def labels(name: str) -> List[str]:
     return [server_label(name), watchdog_label(name)]
 
 
-def label_of(path: Path) -> Optional[str]:
-    try:
-        with open(path, "rb") as fh:
-            return plistlib.load(fh).get("Label")
-    except Exception:
-        return None
+# ---- the backend (backend.ServiceBackend) ----
+
+class LaunchdBackend:
+    manager = "launchd"
+    supports_system = False
+    root_warning = ("launchd agents of root (gui/0) rarely run: install as the user who is "
+                    "logged in")
+
+    def service_names(self, name: str) -> List[str]:
+        return labels(name)
+
+    def definition_paths(self, unit_dir: Path, name: str) -> List[Path]:
+        return [plist_path(unit_dir, label) for label in labels(name)]
+
+    def standard_layout(self, *, home: Path, system: bool,
+                        environ: Mapping[str, str]) -> Layout:
+        support = home / "Library" / "Application Support" / "mlx-watchdog"
+        return Layout(home / "Library" / "LaunchAgents", support, support,
+                      home / "Library" / "Logs" / "mlx-watchdog")
+
+    def check_executable(self, path: str) -> None:
+        pass  # ProgramArguments is a list: any path will do
+
+    render = staticmethod(render)
+    restart_action = staticmethod(restart_action)
+
+    def load(self, plan: "Plan", runner: "Runner") -> None:
+        # A re-install unloads the old jobs first, then loads the new.
+        self._bootout(plan.inst.name, plan.uid, runner, wait=True)
+        for plist in self.definition_paths(plan.inst.layout.unit_dir, plan.inst.name):
+            runner.step(bootstrap_argv(plan.uid, plist))
+
+    def unload(self, name: str, *, system: bool, uid: int, runner: "Runner",
+               definitions_present: bool) -> None:
+        self._bootout(name, uid, runner, wait=False)
+
+    def after_removal(self, *, system: bool, runner: "Runner") -> None:
+        pass
+
+    def installed_notes(self, inst: Instance) -> List[str]:
+        return [f"logs: {inst.layout.log_dir}/{inst.name}.{{out,err}}.log"]
+
+    @staticmethod
+    def _bootout(name: str, uid: int, runner: "Runner", *, wait: bool) -> None:
+        """Boot out the loaded jobs, the watchdog first (so that it does not
+        restart the server while it is being stopped)."""
+        for label in reversed(labels(name)):
+            if runner.dry_run:
+                runner.show(bootout_argv(uid, label), "only if loaded")
+            elif runner.succeeds(print_argv(uid, label)):
+                runner.run(bootout_argv(uid, label))
+                if wait:
+                    _wait_unloaded(uid, label, runner)
+
+
+def _wait_unloaded(uid: int, label: str, runner: "Runner", timeout: float = 10.0) -> None:
+    # bootout can return before launchd has forgotten the job; bootstrapping
+    # it again too early fails with "Bootstrap failed: 5: Input/output error".
+    deadline = time.monotonic() + timeout
+    while runner.succeeds(print_argv(uid, label)) and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -1,7 +1,8 @@
 """systemd definitions: a server unit and a watchdog unit per instance.
 
-Pure rendering functions; install_cli.py writes and loads them. The units
-pass `systemd-analyze verify`.
+Rendering is pure (the units and the systemctl command lines; they pass
+`systemd-analyze verify`); SystemdBackend loads and unloads them through a
+commands.Runner for execute.py.
 
 Choices, and why (also written as comments into the units):
 - Server Type=notify + NotifyAccess=main: the shim, inside the server process
@@ -33,16 +34,22 @@ Choices, and why (also written as comments into the units):
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence
 
-from .services import MARKER, Instance, watchdog_config_toml
+from .. import defaults
+from .instance import MARKER, InstallError, Instance, Layout, watchdog_config_toml
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .commands import Runner
+    from .plan import Plan
 
 TIMEOUT_START_SEC = 600
 WATCHDOG_SEC = 60
 RESTART_SEC = 5
-TIMEOUT_STOP_SEC = 30  # = defaults.STOP_GRACE_S
+TIMEOUT_STOP_SEC = int(defaults.STOP_GRACE_S)
 START_LIMIT_INTERVAL_SEC = 0  # no start limit: never failed for good
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+\Z")
@@ -264,3 +271,68 @@ def disable_argv(name: str, *, system: bool) -> List[str]:
 
 def daemon_reload_argv(system: bool) -> List[str]:
     return systemctl(system) + ["daemon-reload"]
+
+
+# ---- the backend (backend.ServiceBackend) ----
+
+class SystemdBackend:
+    manager = "systemd"
+    supports_system = True
+    root_warning = "--user units of root need root's user manager; did you mean --system?"
+
+    def service_names(self, name: str) -> List[str]:
+        return unit_names(name)
+
+    def definition_paths(self, unit_dir: Path, name: str) -> List[Path]:
+        return [Path(unit_dir) / unit for unit in unit_names(name)]
+
+    def standard_layout(self, *, home: Path, system: bool,
+                        environ: Mapping[str, str]) -> Layout:
+        if system:
+            return Layout(Path("/etc/systemd/system"), Path("/etc/mlx-watchdog"),
+                          Path("/var/lib/mlx-watchdog"))
+        config = _xdg(environ, "XDG_CONFIG_HOME", home / ".config")
+        return Layout(config / "systemd" / "user", config / "mlx-watchdog",
+                      _xdg(environ, "XDG_STATE_HOME", home / ".local" / "state") / "mlx-watchdog")
+
+    check_executable = staticmethod(check_executable)
+    render = staticmethod(render)
+    restart_action = staticmethod(restart_action)
+
+    def load(self, plan: "Plan", runner: "Runner") -> None:
+        inst = plan.inst
+        unit_paths = (self.definition_paths(inst.layout.unit_dir, inst.name)
+                      if plan.custom_dir else None)
+        for argv in install_argvs(inst.name, system=inst.system, reinstall=plan.reinstall,
+                                  unit_paths=unit_paths):
+            runner.step(argv)
+
+    def unload(self, name: str, *, system: bool, uid: int, runner: "Runner",
+               definitions_present: bool) -> None:
+        if not definitions_present:
+            return  # nothing of ours to stop: disable would fail on unknown units
+        try:
+            runner.step(disable_argv(name, system=system))
+        except InstallError as exc:
+            raise InstallError(f"{exc}\nNothing was removed.") from exc
+
+    def after_removal(self, *, system: bool, runner: "Runner") -> None:
+        runner.step(daemon_reload_argv(system))
+
+    def installed_notes(self, inst: Instance) -> List[str]:
+        flag = "" if inst.system else "--user "
+        server, watchdog = unit_names(inst.name)
+        notes = [f"logs: journalctl {flag}-u {server} -u {watchdog}"]
+        if not inst.system:
+            from .hostcheck import linger_note
+
+            note = linger_note()
+            if note:
+                notes.append(note)
+        return notes
+
+
+def _xdg(environ: Mapping[str, str], key: str, fallback: Path) -> Path:
+    value = environ.get(key, "")
+    # The XDG spec: a relative value is invalid and must be ignored.
+    return Path(value) if value and os.path.isabs(value) else fallback

@@ -1,0 +1,144 @@
+"""`mlx-watchdog install` and `uninstall`: launchd agents or systemd units for
+a stock mlx_lm.server (with the hotfix shim) and its watchdog.
+
+The command line only: plan.py checks the flags and plans, execute.py writes
+and loads (through a backend.ServiceBackend: launchd.py or systemd.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+import click
+
+from ..defaults import MANAGERS
+from .instance import FlagError, InstallError
+
+_INSTALL_HELP = """Install MANAGER (launchd or systemd) definitions for a server and its watchdog.
+
+\b
+Writes, for instance NAME (default mlx-PORT):
+  - a server definition running `PYTHON -m mlx_lm server --model MODEL
+    --host HOST --port PORT [SERVER_ARGS...]` with the hotfix shim on its
+    PYTHONPATH and MLX_HOTFIX_HEARTBEAT_FILE set;
+  - a watchdog definition running `mlx_watchdog.cli watch --config NAME.toml`;
+  - NAME.toml (the watchdog config) and NAME.install.json (what was written,
+    for uninstall).
+Then loads them: launchctl bootout (if loaded) + bootstrap gui/UID, or
+systemctl [--user] daemon-reload + enable --now (enable + restart when
+updating an existing install). Re-running install updates in place.
+
+\b
+launchd: ~/Library/LaunchAgents/io.github.mlx-watchdog.NAME.{server,watchdog}.plist,
+  logs in ~/Library/Logs/mlx-watchdog/. The server has KeepAlive
+  {SuccessfulExit: false, Crashed: true} (exit 70 restarts) and
+  ThrottleInterval 30 (default 10): launchd's respawn throttle is its only
+  storm control; it only delays a server that dies within 30 s of its launch
+  (a crash loop), not one that ran for hours. ProcessType Interactive keeps the server out of
+  background (App Nap-style) throttling.
+systemd: ~/.config/systemd/user/NAME-{server,watchdog}.service (--system:
+  /etc/systemd/system), logs in the journal. The server is Type=notify with
+  WatchdogSec=60, TimeoutStartSec=600, Restart=on-failure, and at most 5
+  starts in 10 minutes.
+
+\b
+Example (server flags after --):
+  mlx-watchdog install systemd --model ~/models/qwen --port 8080 -- --max-tokens 4096
+"""
+
+
+def _flag_error(exc: FlagError) -> click.BadParameter:
+    return click.BadParameter(exc.message, param_hint=[exc.flag])
+
+
+@click.command("install", help=_INSTALL_HELP,
+               context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("manager", type=click.Choice(MANAGERS))
+@click.option("--model", required=True,
+              help="Model directory (must exist) or Hugging Face repo id (fetched by the server).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True,
+              help="Server port; must be free on HOST.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Server bind address.")
+@click.option("--name", default=None,
+              help="Instance name, [A-Za-z0-9_.-]+ (default: mlx-PORT). One name per server.")
+@click.option("--python", "python", default=None,
+              help="Python whose stock mlx_lm runs the server (default: this Python).")
+@click.option("--watchdog-python", default=None,
+              help="Python with mlx_watchdog installed, for the watchdog (default: this Python).")
+@click.option("--shim-dir", default=None,
+              help="Hotfix drop-in folder for PYTHONPATH (default: `mlx-watchdog shim-path`).")
+@click.option("--offline", is_flag=True, help="Set HF_HUB_OFFLINE=1 for the server.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write the definitions, config and manifest here instead of the standard "
+                   "directories.")
+@click.option("--dry-run", is_flag=True,
+              help="Write the files, print the launchctl/systemctl commands, run nothing.")
+@click.option("--system", is_flag=True,
+              help="systemd only: a system service in /etc/systemd/system (needs root).")
+@click.option("--user-name", default=None,
+              help="systemd --system only: run the server as this user (User=).")
+@click.option("--hostfile", default=None,
+              help="A distributed group: mlx.launch's JSON hostfile (rank 0 first). Every "
+                   "host must be reachable by ssh without a prompt, or be this machine.")
+@click.option("--hosts", "group_hosts", default=None,
+              help="A distributed group: mlx.launch --hosts, comma-separated.")
+@click.option("--backend", default=None,
+              help="A distributed group: mlx.launch --backend (ring, jaccl, mpi...).")
+@click.option("--remote-shim-path", default=None,
+              help="A distributed group: the hotfix shim folder on the other hosts "
+                   "(default: the same path as --shim-dir).")
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def install_command(manager: str, model: str, port: int, host: str, name: Optional[str],
+                    python: Optional[str], watchdog_python: Optional[str],
+                    shim_dir: Optional[str], offline: bool, output_dir: Optional[Path],
+                    dry_run: bool, system: bool, user_name: Optional[str],
+                    hostfile: Optional[str], group_hosts: Optional[str],
+                    backend: Optional[str], remote_shim_path: Optional[str],
+                    server_args: Tuple[str, ...]) -> None:
+    from . import execute, plan
+
+    try:
+        planned = plan.prepare(
+            manager=manager, model=model, port=port, host=host, name=name, python=python,
+            watchdog_python=watchdog_python, shim_dir=shim_dir, offline=offline,
+            output_dir=output_dir, dry_run=dry_run, system=system, user_name=user_name,
+            server_args=server_args, hostfile=hostfile, group_hosts=group_hosts,
+            group_backend=backend, remote_shim_path=remote_shim_path,
+        )
+    except FlagError as exc:
+        raise _flag_error(exc) from exc
+    try:
+        execute.apply(planned)
+    except InstallError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@click.command("uninstall", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("manager", type=click.Choice(MANAGERS))
+@click.option("--name", default=None,
+              help="Instance name (default: mlx-PORT with --port, or the only installed one).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="Derive the default name mlx-PORT.")
+@click.option("--system", is_flag=True, help="systemd only: the system service.")
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The --output-dir given to install.")
+@click.option("--dry-run", is_flag=True, help="Print what would be run and removed.")
+def uninstall_command(manager: str, name: Optional[str], port: Optional[int], system: bool,
+                      output_dir: Optional[Path], dry_run: bool) -> None:
+    """Stop and remove what `install MANAGER` installed for one instance.
+
+    launchctl bootout gui/UID/LABEL (watchdog, then server), or systemctl
+    [--user] disable --now + daemon-reload; then removes the definitions,
+    the generated config and the manifest. Nothing else: state, heartbeat and
+    log files are kept, and a file not written by install is never removed.
+    """
+    from . import execute
+
+    try:
+        execute.uninstall(manager, name=name, port=port, system=system, output_dir=output_dir,
+                          dry_run=dry_run)
+    except FlagError as exc:
+        raise _flag_error(exc) from exc
+    except InstallError as exc:
+        raise click.ClickException(str(exc)) from exc
