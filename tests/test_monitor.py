@@ -374,7 +374,7 @@ def test_watch_command_runs_until_sigterm(tmp_path):
     import sys
     import time
 
-    from tests.fakeserver import FakeServer
+    from harness.fakeserver import FakeServer
 
     state = tmp_path / "state.json"
     with FakeServer() as server:

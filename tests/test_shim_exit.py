@@ -2,7 +2,7 @@
 
 Real stock servers (0.31.3: death reaches threading.excepthook; 0.32.2:
 stock catches it and lives on), tiny generated model, CPU. Faults come from
-tests/support/faults, armed after warm-up.
+harness/faults, armed after warm-up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, BackgroundRequest, run_python, sse_events
+from harness.server import VERSIONS, BackgroundRequest, run_python, sse_events
 
 CLIENT_TIMEOUT = 60  # far above the 1 s grace: a client that hits it was left waiting
 
@@ -64,7 +64,7 @@ def _assert_stream_ends_with_error(request: BackgroundRequest) -> None:
 
 # Every death mode users reported upstream, where it strikes: (fault, the
 # line the shim must print). The faults raise the real messages
-# (tests/support/faults); the natural `extend` crash is in test_patch_extend.
+# (harness/faults); the natural `extend` crash is in test_patch_extend.
 DEATHS = {
     "typeerror-prefill": ("raise:typeerror:prefill:1", "TypeError: 'NoneType' object is not iterable"),
     "typeerror-decode": ("raise:typeerror:decode:2", "TypeError: 'NoneType' object is not iterable"),
@@ -217,7 +217,7 @@ POST_DEATH_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("version", VERSIONS)
 def test_health_and_new_requests_say_503_once_the_thread_is_dead(envs, tiny_llama, tmp_path,
                                                                  version):
-    from tests.support.server import free_port
+    from harness.server import free_port
 
     arm = tmp_path / "arm"
     result = run_python(version, POST_DEATH_SCRIPT,

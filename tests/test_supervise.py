@@ -1,5 +1,5 @@
 """supervise: Supervisor.tick with fakes, then a real supervisor process with a
-tiny fake server as its child (tests/fakeserver.py)."""
+tiny fake server as its child (harness/fakeserver.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typing import List
 import psutil
 import pytest
 
+from harness import FAKE_SERVER
 from mlx_watchdog import defaults
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.judge import (
@@ -42,7 +43,6 @@ from mlx_watchdog.supervise import (
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
 TIMEOUT = ProbeResult(UNHEALTHY, 1.0, reason="timed out after 1s")
 REPO = Path(__file__).resolve().parents[1]
-FAKE_SERVER = REPO / "tests" / "fakeserver.py"
 
 
 # -- url_from_command ------------------------------------------------------------

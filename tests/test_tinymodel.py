@@ -1,4 +1,4 @@
-"""Quick checks of the tiny on-disk models in tests/support/tinymodel.py."""
+"""Quick checks of the tiny on-disk models in harness/tinymodel.py."""
 
 import os
 
@@ -6,7 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from tests.support import tinymodel
+from harness import tinymodel
 
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
 

@@ -23,9 +23,9 @@ from typing import Callable, Dict, List, Mapping, Optional
 import pytest
 import requests
 
-from tests.support.server import free_port
+from harness.server import free_port
 
-CONFIG = Path(__file__).resolve().parents[2] / "monitoring" / "haproxy.cfg"
+CONFIG = Path(__file__).resolve().parents[1] / "monitoring" / "haproxy.cfg"
 BACKEND = "mlx_servers"
 
 

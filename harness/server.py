@@ -19,8 +19,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
-SHIM_DIR = ROOT / "sitecustomize"
+from harness import ROOT, SHIM_DIR
+
 VERSIONS = ("0.31.3", "0.32.2")
 ENVS_DIR = Path(os.environ.get("MLX_WATCHDOG_ENVS", ROOT / ".venvs"))
 
@@ -249,10 +249,15 @@ def sse_events(body: bytes) -> list:
 
 def run_python(version: str, code: str, *, shim: bool = True,
                env: Optional[Mapping[str, str]] = None, timeout: float = 300,
-               args: Iterable[str] = ()) -> subprocess.CompletedProcess:
-    """Run code in the venv of an mlx-lm release, with or without the shim."""
+               args: Iterable[str] = (), cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run code in the venv of an mlx-lm release, with or without the shim.
+
+    With cwd=ROOT, ``python -c`` finds ``harness`` (the current folder comes
+    first on its path), as ``python -m`` from the root does.
+    """
     return subprocess.run(
         [str(python_for(version)), "-c", code, *args],
+        cwd=cwd,
         env=base_env(shim=shim, extra=env),
         capture_output=True,
         text=True,
