@@ -793,7 +793,7 @@ def test_real_drop_in_folder_is_the_default(env, monkeypatch):
 
 
 def test_generated_configs_load_in_the_watch_config_parser(env):
-    config = pytest.importorskip("mlx_watchdog.config")
+    from mlx_watchdog import config
     port = free_port()
     assert env.install("systemd", "--name", "qwen.8b", port=port).exit_code == 0
     assert env.install("launchd", "--name", "qwen.8b", port=port).exit_code == 0

@@ -270,11 +270,17 @@ def test_other_threads_dying_do_not_exit(envs, version):
 
 
 def test_exit_switch_off_leaves_stock_behaviour(envs):
-    code = ("import mlx_lm.server as s; from mlx_hotfix._wrap import wrapped_by; "
-            "g = s.ResponseGenerator._generate; print(wrapped_by(g, 'exit'), g.__module__)")
+    # The mark every wrapper carries (mlx_hotfix._wrap), not __module__:
+    # a wrapper made with functools.wraps would copy __module__ too.
+    code = ("import mlx_lm.server as s; from mlx_hotfix._wrap import _MARK, wrapped_by; "
+            "g = s.ResponseGenerator._generate; "
+            "print(wrapped_by(g, 'exit'), getattr(g, _MARK, None), hasattr(g, '__wrapped__'))")
+    result = run_python("0.31.3", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "True"  # the control: the check can see a wrapper
     result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[0] == "False"  # the heartbeat part may wrap it, not exit
     result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit,heartbeat"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False mlx_lm.server"
+    assert result.stdout.strip() == "False None False"  # the stock function itself

@@ -4,11 +4,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import mlx_lm.utils as mlx_lm_utils
 import pytest
 
 from harness import tinymodel
-
-mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
 
 
 def _chat_prompt(tok):
