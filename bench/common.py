@@ -37,17 +37,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RESULTS_DIR = BENCH / "results"
-if str(ROOT) not in sys.path:  # tests.support.* (server harness, tiny models)
-    sys.path.insert(0, str(ROOT))
-
-from tests.support import server as server_support  # noqa: E402
+from harness import FAULTS_DIR, TINYMODEL  # noqa: F401 - FAULTS_DIR: for the figures
+from harness import server as server_support
+from harness.procs import kill_group
 
 VERSIONS = server_support.VERSIONS  # ("0.31.3", "0.32.2")
 MAIN_VERSION = "0.32.2"  # its venv has this package (editable) and requests/psutil/click
 SHIM_DIR = server_support.SHIM_DIR
-FAULTS_DIR = ROOT / "tests" / "support" / "faults"
-DEATHSTAMP_DIR = BENCH / "support" / "deathstamp"
-TINYMODEL = ROOT / "tests" / "support" / "tinymodel.py"
 
 
 # -- environments --------------------------------------------------------------
@@ -270,25 +266,12 @@ class Cleanup:
 CLEANUP = Cleanup()
 
 
-def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait_s: float = 30) -> None:
-    """Kill the process group led by proc (started with start_new_session=True)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 # -- tiny models -----------------------------------------------------------------------
 
 
 def build_model(kind: str, out_dir: Path, *, layers: Optional[int] = None,
                 full_attention_interval: Optional[int] = None, seed: int = 0) -> Path:
-    """Build a tiny random model with tests/support/tinymodel.py (main env)."""
+    """Build a tiny random model with harness/tinymodel.py (main env)."""
     cmd = [str(main_python()), str(TINYMODEL), kind, str(out_dir), "--seed", str(seed)]
     if layers is not None:
         cmd += ["--layers", str(layers)]

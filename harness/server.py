@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import requests
 
+from harness.procs import chat, kill_group
 from harness import ROOT, SHIM_DIR
 
 VERSIONS = ("0.31.3", "0.32.2")
@@ -138,12 +137,8 @@ class StockServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
+        if self.proc is not None:
+            kill_group(self.proc)
         if getattr(self, "_log", None):
             self._log.close()
 
@@ -165,16 +160,8 @@ class StockServer:
     # -- requests --------------------------------------------------------------
     def chat(self, content: str = "hello", *, max_tokens: int = 8, timeout: float = 60,
              stream: bool = False, **extra) -> requests.Response:
-        body = {
-            "model": "default_model",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": stream,
-            **extra,
-        }
-        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
-                             stream=stream)
+        return chat(self.url, content, max_tokens=max_tokens, timeout=timeout, stream=stream,
+                    **extra)
 
     def health(self, timeout: float = 5) -> Optional[int]:
         try:

@@ -29,7 +29,8 @@ from harness import FAKE_SERVER
 from harness.fakeserver import DRIBBLE_BODY, OK, FakeServer, json_answer
 from harness.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
 from harness.server import BackgroundRequest, base_env, free_port, python_for
-from harness.watchdog_run import WatchdogProcess, chat, is_gone, wait_serving
+from harness.procs import chat
+from harness.watchdog_run import WatchdogProcess, is_gone, wait_serving
 
 pytestmark = pytest.mark.server
 
