@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import time
 
 
-from bench.common import FAULTS_DIR, ROOT, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir
+from bench.common import FAULTS_DIR, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir
 from harness.server import StockServer
 
 ONE_SLOT = ["--decode-concurrency", "1", "--prompt-concurrency", "1"]
@@ -61,8 +60,7 @@ def main() -> int:
     figure = Figure("disconnect_savings", "A client that hangs up: decode steps and queue wait saved")
     work = temp_dir("disconnect-")
     model = build_model("llama", work / "model")
-    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
+    revision = figure.stamp["revision"]  # also in the footer, with the dirty flag
     results, rows = {"git_revision": revision}, []
     for version in VERSIONS:
         stock = _one(version, model, work, False)

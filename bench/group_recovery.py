@@ -31,6 +31,7 @@ from pathlib import Path
 
 import requests
 
+from bench.common import stamp, stamp_line
 from harness import FAULTS_DIR, ROOT
 from harness.procs import chat, kill_group
 from harness.server import base_env, free_port, python_for
@@ -105,8 +106,7 @@ def main() -> int:
     parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
+    figure_stamp = stamp("bench.group_recovery", sys.argv[1:], versions=(VERSION,))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-group-") as folder:
         tmp = Path(folder)
@@ -115,7 +115,6 @@ def main() -> int:
             for shape in ("single", "group"):
                 results[f"{kind}/{shape}"] = one(kind, shape, model, tmp)
                 print(kind, shape, results[f"{kind}/{shape}"], flush=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = ["## Distributed group: fault on rank 1 to serving again (supervise, defaults)", "",
              "| fault | single process | 2-rank ring group | group / single |",
              "|---|---|---|---|"]
@@ -124,12 +123,11 @@ def main() -> int:
         grouped = results[f"{kind}/group"].get("to_serving_s")
         ratio = f"{grouped / single:.2f}x" if single and grouped else "n/a"
         lines.append(f"| {kind} | {single} s | {grouped} s | {ratio} |")
-    lines += ["", f"One run each, mlx-lm {VERSION}, tiny llama on CPU; git {revision}, {stamp}; "
-              f"`{Path(sys.executable).relative_to(ROOT) if str(sys.executable).startswith(str(ROOT)) else sys.executable} "
-              "bench/group_recovery.py`", ""]
+    lines += ["", f"_One run each (a single run has no noise estimate: read the ratio as "
+              f"rough), mlx-lm {VERSION}, tiny llama on CPU; {stamp_line(figure_stamp)}._", ""]
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "group_recovery.json").write_text(
-        json.dumps({"revision": revision, "time": stamp, "results": results}, indent=2) + "\n")
+        json.dumps({**figure_stamp, "results": results}, indent=2, default=str) + "\n")
     (args.results_dir / "group_recovery.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
