@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from harness import FAKE_SERVER
+from harness.fakes import Clock, FakeProcess
 from mlx_watchdog import defaults
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.judge import (
@@ -32,7 +33,6 @@ from mlx_watchdog.judge import (
 )
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
-from mlx_watchdog.process import ProcessSample
 from mlx_watchdog.supervise import (
     Supervisor,
     SupervisorError,
@@ -79,14 +79,6 @@ def test_describe_exit():
 # -- tick() with fakes ------------------------------------------------------------
 
 
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 class FakeChild:
     def __init__(self, pid: int):
         self.pid = pid
@@ -131,17 +123,6 @@ class FakeSpawner:
         return self.children[-1]
 
 
-class FakeProcess:
-    def __init__(self):
-        self.cpu_s = 0.0
-
-    def sample(self, rescan=True):
-        return ProcessSample(alive=True, cpu_s=self.cpu_s, wall_s=5.0)
-
-    def reset(self):
-        pass
-
-
 class Probes:
     def __init__(self, clock):
         self.clock = clock
@@ -153,7 +134,7 @@ class Probes:
 
 
 def make(tmp_path, *, boot_grace=0.0, max_restarts=5, backoff=1.0):
-    clock = Clock()
+    clock = Clock(100.0)
     spawner = FakeSpawner()
     probes = Probes(clock)
     process = FakeProcess()
