@@ -1,8 +1,8 @@
 """Shared helpers for the figure scripts in bench/ (see bench/README.md).
 
-Every figure script:
+Every figure script, run from the repository root:
 
-    <main python> bench/<figure>.py [--quick] [--results-dir DIR]
+    <main python> -m bench.<figure> [--quick] [--results-dir DIR]
 
 measures the shim (or the watchdog) against stock *in the same run*, and
 writes ``<results-dir>/<figure>.json`` (everything measured, plus the machine
@@ -37,17 +37,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 RESULTS_DIR = BENCH / "results"
-if str(ROOT) not in sys.path:  # tests.support.* (server harness, tiny models)
-    sys.path.insert(0, str(ROOT))
-
-from tests.support import server as server_support  # noqa: E402
+from harness import FAULTS_DIR, TINYMODEL  # noqa: F401 - FAULTS_DIR: for the figures
+from harness import server as server_support
+from harness.procs import kill_group
 
 VERSIONS = server_support.VERSIONS  # ("0.31.3", "0.32.2")
 MAIN_VERSION = "0.32.2"  # its venv has this package (editable) and requests/psutil/click
 SHIM_DIR = server_support.SHIM_DIR
-FAULTS_DIR = ROOT / "tests" / "support" / "faults"
-DEATHSTAMP_DIR = BENCH / "support" / "deathstamp"
-TINYMODEL = ROOT / "tests" / "support" / "tinymodel.py"
 
 
 # -- environments --------------------------------------------------------------
@@ -213,6 +209,56 @@ def machine_line(m: Dict[str, Any]) -> str:
             + (f"; load average at start {load[0]:.2f}" if load else ""))
 
 
+# -- the stamp every figure carries ---------------------------------------------------
+
+
+def git_revision() -> Dict[str, Any]:
+    """{"revision": short hash or None, "dirty": bool or None} of the checkout."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    revision = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"revision": revision, "dirty": None if status is None else bool(status)}
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """The exact command that reproduces a figure, run from the repository root."""
+    return shlex.join([rel(sys.executable), "-m", module, *argv])
+
+
+def stamp(module: str, argv: Sequence[str], versions: Sequence[str] = VERSIONS) -> Dict[str, Any]:
+    """Revision (and whether the tree was dirty), date, machine and command of a figure."""
+    return {**git_revision(), "date": now_iso(), "machine": machine(versions),
+            "command": command_line(module, argv)}
+
+
+def stamp_line(s: Dict[str, Any]) -> str:
+    """The stamp as one markdown line, for a figure's footer."""
+    revision = s.get("revision") or "unknown revision"
+    if s.get("dirty"):
+        revision += " (uncommitted changes)"
+    return (f"git {revision}, {s['date']}. Machine: {machine_line(s['machine'])}. "
+            f"Command: `{s['command']}`")
+
+
+def noise_verdict(difference: Optional[float], noise: Optional[float], text: str) -> str:
+    """text when |difference| exceeds the noise, else "no measurable difference".
+
+    noise is the spread of the measurement itself (say, the larger of the two
+    arms' interquartile ranges, or a repeat-to-repeat spread): a move smaller
+    than that is not a result.
+    """
+    if difference is None or noise is None or math.isnan(difference) or math.isnan(noise):
+        return "n/a"
+    return text if abs(difference) > noise else "no measurable difference"
+
+
 # -- cleanup of everything we start --------------------------------------------------
 
 
@@ -270,25 +316,12 @@ class Cleanup:
 CLEANUP = Cleanup()
 
 
-def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait_s: float = 30) -> None:
-    """Kill the process group led by proc (started with start_new_session=True)."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        proc.wait(wait_s)
-    except subprocess.TimeoutExpired:
-        pass
-
-
 # -- tiny models -----------------------------------------------------------------------
 
 
 def build_model(kind: str, out_dir: Path, *, layers: Optional[int] = None,
                 full_attention_interval: Optional[int] = None, seed: int = 0) -> Path:
-    """Build a tiny random model with tests/support/tinymodel.py (main env)."""
+    """Build a tiny random model with harness/tinymodel.py (main env)."""
     cmd = [str(main_python()), str(TINYMODEL), kind, str(out_dir), "--seed", str(seed)]
     if layers is not None:
         cmd += ["--layers", str(layers)]
@@ -317,7 +350,7 @@ class Figure:
                  add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None):
         self.name = name
         self.title = title
-        parser = argparse.ArgumentParser(prog=f"bench/{name}.py", description=description,
+        parser = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=description,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--quick", action="store_true",
                             help="fewer repetitions and smaller sizes, for development")
@@ -334,21 +367,20 @@ class Figure:
         self._t0 = time.monotonic()
         CLEANUP.install()
         self.log(f"{self.title} ({'quick' if self.quick else 'full'} mode)")
-        self.machine = machine()
+        self.stamp = stamp(f"bench.{self.name}", self.argv)
+        self.machine = self.stamp["machine"]
         self.log(machine_line(self.machine))
 
     def command(self) -> str:
-        script = rel(sys.argv[0]) if sys.argv and sys.argv[0] else f"bench/{self.name}.py"
-        return shlex.join([rel(sys.executable), script, *self.argv])
+        return self.stamp["command"]
 
     def log(self, message: str) -> None:
         elapsed = time.monotonic() - getattr(self, "_t0", time.monotonic())
         print(f"[{self.name} {elapsed:7.1f}s] {message}", file=sys.stderr, flush=True)
 
     def footer(self) -> str:
-        return (f"_{self.started}, {'quick' if self.quick else 'full'} mode, "
-                f"{time.monotonic() - self._t0:.0f} s. Machine: {machine_line(self.machine)}. "
-                f"Command: `{self.command()}`._")
+        return (f"_{'Quick' if self.quick else 'Full'} mode, {time.monotonic() - self._t0:.0f} s; "
+                f"{stamp_line(self.stamp)}._")
 
     def write(self, results: Dict[str, Any], body_markdown: str,
               summary: Optional[Dict[str, Any]] = None) -> Path:
@@ -359,6 +391,8 @@ class Figure:
             "figure": self.name,
             "title": self.title,
             "command": self.command(),
+            "revision": self.stamp["revision"],
+            "dirty": self.stamp["dirty"],
             "mode": "quick" if self.quick else "full",
             "started": self.started,
             "finished": finished,
@@ -412,5 +446,5 @@ def run_main(main: Callable[[], int]) -> None:
     sys.exit(code or 0)
 
 
-if __name__ == "__main__":  # `python bench/common.py`: the machine, as the figures describe it
+if __name__ == "__main__":  # `python -m bench.common`: the machine, as the figures describe it
     print(machine_line(machine()))

@@ -3,13 +3,13 @@
 Three deaths of the generation thread, each on a real stock mlx_lm.server
 (tiny random llama, CPU):
 
-  fault 0.31.3 / 0.32.2   injected by tests/support/faults, armed after the
+  fault 0.31.3 / 0.32.2   injected by harness/faults, armed after the
                           warm-up: MLX_TEST_FAULT=raise:resource:decode:2
                           (the real `[metal::malloc] Resource limit` message)
                           while three clients wait: a stream and a plain
                           request in flight (200 tokens each), and a queued
                           one (a seeded request waits for the batch to drain).
-  extend 0.31.3           the real upstream crash (tests/support/repro.py):
+  extend 0.31.3           the real upstream crash (harness/repro.py):
                           two requests merge in PromptProcessingBatch.extend,
                           shim with MLX_HOTFIX_DISABLE=extend. Clients: A and B.
 
@@ -17,7 +17,7 @@ Death moment (wall clock, time.time(), same host):
   fault   the `t=` on the injector's `mlx-test-fault: raise at decode t=...`
           line, written just before it raises.
   extend  the `t=` on `bench-death: ... t=...`, written by the bench-only
-          bench/support/deathstamp drop-in when the exception leaves
+          fault injector (harness/faults, MLX_TEST_DEATH_STAMP=1) when the exception leaves
           BatchGenerator.next() -- the generation loop's own call, before
           any handler (shim or stock) sees it. The first client-observed
           503 is recorded too.
@@ -40,19 +40,16 @@ import json
 import os
 import random
 import re
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-import requests  # noqa: E402
+import psutil
+import requests
 
-from common import (  # noqa: E402
-    DEATHSTAMP_DIR,
+from bench.common import (
     FAULTS_DIR,
     SHIM_DIR,
     Figure,
@@ -65,18 +62,17 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import (  # noqa: E402
+from bench.procs import (
     COMPLETED,
     TOLD,
     Client,
     SentRequest,
     TimedProcess,
     TimedServer,
-    chat_body,
-    post_chat,
 )
-from tests.support.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from harness.procs import chat, chat_body
+from harness.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
+from harness.server import base_env, free_port
 
 FAULT = "raise:resource:decode:2"
 FAULT_LINE = re.compile(r"mlx-test-fault: raise at (\w+) t=([0-9.]+)")
@@ -89,13 +85,11 @@ EXTEND_ATTEMPTS = 5  # the extend crash depends on timing: retry a pair that did
 
 def case_env(cause: str, arm: Path, *, shim: bool) -> dict:
     """Extra environment of the server (or of the supervisor, which adds the shim)."""
-    path = [str(SHIM_DIR)] if shim else []
+    path = ([str(SHIM_DIR)] if shim else []) + [str(FAULTS_DIR)]
     if cause == "fault":
-        path.append(str(FAULTS_DIR))
         env = {"MLX_TEST_FAULT": FAULT, "MLX_TEST_FAULT_ARM_FILE": str(arm)}
-    else:
-        path.append(str(DEATHSTAMP_DIR))
-        env = {"MLX_HOTFIX_DISABLE": "extend"}
+    else:  # the natural crash: the injector only stamps the moment of death
+        env = {"MLX_TEST_DEATH_STAMP": "1", "MLX_HOTFIX_DISABLE": "extend"}
     env["PYTHONPATH"] = os.pathsep.join(path)
     return env
 
@@ -109,9 +103,9 @@ def death_pattern(cause: str):
 
 
 def warm_request(url: str, cause: str, timeout: float = 120) -> requests.Response:
-    # The extend crash needs a warm-up with a penalty (tests/support/repro.py).
+    # The extend crash needs a warm-up with a penalty (harness/repro.py).
     extra = {"repetition_penalty": PENALTY} if cause == "extend" else {}
-    return post_chat(url, "warm up", max_tokens=1, timeout=timeout, **extra)
+    return chat(url, "warm up", max_tokens=1, timeout=timeout, **extra)
 
 
 def trigger(cause: str, url: str, arm: Path, seed: int, timeout: float) -> List[Client]:
@@ -239,7 +233,7 @@ def stock_zombie(fig: Figure, cause: str, version: str, model: Path, work: Path,
             c.join(max(0.0, death_at + window + 5 - time.time()))
         alive = server.exited_at is None
         health = server.health(timeout=5)
-        fresh = Client("new", lambda: post_chat(server.url, "are you there", max_tokens=1,
+        fresh = Client("new", lambda: chat(server.url, "are you there", max_tokens=1,
                                                 timeout=10))
         fresh.join(15)
         summary = client_summary(clients, death_at, server.exited_at)
@@ -546,7 +540,7 @@ def main() -> int:
                    "clients waiting at the death", "verdict"], rows3)
     body += (
         "\n\nDeath moment: for the injected fault, the `t=` the injector writes just before it "
-        "raises; for the `extend` crash, the `t=` the bench-only `bench/support/deathstamp` "
+        "raises; for the `extend` crash, the `t=` the fault injector (`harness/faults`, `MLX_TEST_DEATH_STAMP=1`) "
         "drop-in writes when the TypeError leaves `BatchGenerator.next()` (before the shim or "
         "stock sees it). Exit: when the parent's `waitpid` returns (shim), or when polling "
         "(every 2 ms) first sees the supervised child a zombie. Serving again: the first "
@@ -556,7 +550,7 @@ def main() -> int:
         f"`{FAULT}`, armed after the warm-up, with a stream and a plain request in flight "
         "and a seeded one queued (all three sent, and the stream's first event out, before the "
         "fault is armed); `extend`: two requests 50 ms apart "
-        "(tests/support/repro.py), shim with `MLX_HOTFIX_DISABLE=extend`. Under supervise, the "
+        "(harness/repro.py), shim with `MLX_HOTFIX_DISABLE=extend`. Under supervise, the "
         "`extend` pair is sent with the supervisor paused (SIGSTOP; its 1 s one-token probes "
         "would join the prefill batch, and then the crash does not happen), and resumed as "
         "soon as the death line arrives, before the child exits. Tiny random llama, CPU.")

@@ -6,7 +6,7 @@ Real stock servers, tiny random llama, CPU, one decode slot
 the larger of the two). Client A asks for 4000 tokens and hangs up after
 0.5 s; client B then asks for 1 token. Measured, per release, side by side
 in one run: B's wait, and the decode steps spent (GenerationBatch.next calls,
-counted by tests/support/faults) by the time B is served. Stamped with the
+counted by harness/faults) by the time B is served. Stamped with the
 git revision.
 """
 
@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FAULTS_DIR, ROOT, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir  # noqa: E402
-from tests.support.server import StockServer  # noqa: E402
+from bench.common import FAULTS_DIR, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir
+from harness.server import StockServer
 
 ONE_SLOT = ["--decode-concurrency", "1", "--prompt-concurrency", "1"]
 LONG = 4000
@@ -64,8 +60,7 @@ def main() -> int:
     figure = Figure("disconnect_savings", "A client that hangs up: decode steps and queue wait saved")
     work = temp_dir("disconnect-")
     model = build_model("llama", work / "model")
-    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
+    revision = figure.stamp["revision"]  # also in the footer, with the dirty flag
     results, rows = {"git_revision": revision}, []
     for version in VERSIONS:
         stock = _one(version, model, work, False)

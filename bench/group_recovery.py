@@ -3,7 +3,7 @@
 A real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), run either alone
 or as a 2-rank `mlx.launch -n 2 --backend ring` group on this host, under
 `mlx-watchdog supervise` with DEFAULT settings (only `--log-format json
---state-file <tmp>` added). The fault (tests/support/faults) strikes rank 1
+--state-file <tmp>` added). The fault (harness/faults) strikes rank 1
 of the group, or the lone server, after a warm-up:
 
   death  raise:typeerror:decode  the generation thread dies
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,26 +31,21 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from tests.support.server import base_env, free_port, python_for  # noqa: E402
-from tests.support.tinymodel import build_llama  # noqa: E402
+from bench.common import stamp, stamp_line
+from harness import FAULTS_DIR, ROOT
+from harness.procs import chat, kill_group
+from harness.server import base_env, free_port, python_for
+from harness.tinymodel import build_llama
 
 FAULTS = {"death": "raise:typeerror:decode", "hang": "hang:decode"}
 FAULT_LINE = re.compile(rb"mlx-test-fault: \w+ at \w+ t=([0-9.]+)")
 VERSION = "0.32.2"
 
 
-def chat(url, max_tokens=1, timeout=(0.5, 3)):
-    body = {"model": "default_model", "max_tokens": max_tokens, "temperature": 0.0,
-            "messages": [{"role": "user", "content": "are you there"}]}
-    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
-
-
 def serving_at(url, deadline):
     while time.time() < deadline:
         try:
-            r = chat(url)
+            r = chat(url, "are you there", max_tokens=1, timeout=(0.5, 3))
             if r.status_code == 200 and r.json().get("choices"):
                 return time.time()
         except (requests.RequestException, ValueError):
@@ -71,7 +65,7 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
                   *server]
     arm = tmp / f"arm-{kind}-{shape}"
     env = base_env(shim=False, extra={
-        "PYTHONPATH": str(ROOT / "tests" / "support" / "faults"), "MLX_TEST_FAULT": FAULTS[kind],
+        "PYTHONPATH": str(FAULTS_DIR), "MLX_TEST_FAULT": FAULTS[kind],
         "MLX_TEST_FAULT_ARM_FILE": str(arm), "MLX_TEST_FAULT_RANK": "1" if shape == "group" else ""})
     log_path = tmp / f"{kind}-{shape}.log"
     with open(log_path, "wb") as log:
@@ -84,7 +78,7 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
             return {"error": "never served"}
         time.sleep(6)  # past a probe or two
         arm.touch()
-        threading.Thread(target=lambda: _quiet(lambda: chat(url, 20, 90)), daemon=True).start()
+        threading.Thread(target=lambda: _quiet(lambda: chat(url, max_tokens=20, timeout=90)), daemon=True).start()
         deadline = time.time() + 90
         struck = None
         while struck is None and time.time() < deadline:
@@ -97,11 +91,7 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
         back = serving_at(url, time.time() + 300)
         return {"to_serving_s": None if back is None else round(back - struck, 2)}
     finally:
-        os.killpg(sup.pid, signal.SIGTERM)
-        try:
-            sup.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(sup.pid, signal.SIGKILL)
+        kill_group(sup, grace_s=60)  # SIGTERM: the supervisor stops its child first
 
 
 def _quiet(call):
@@ -116,8 +106,7 @@ def main() -> int:
     parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    revision = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True).stdout.strip()
+    figure_stamp = stamp("bench.group_recovery", sys.argv[1:], versions=(VERSION,))
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-group-") as folder:
         tmp = Path(folder)
@@ -126,7 +115,6 @@ def main() -> int:
             for shape in ("single", "group"):
                 results[f"{kind}/{shape}"] = one(kind, shape, model, tmp)
                 print(kind, shape, results[f"{kind}/{shape}"], flush=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = ["## Distributed group: fault on rank 1 to serving again (supervise, defaults)", "",
              "| fault | single process | 2-rank ring group | group / single |",
              "|---|---|---|---|"]
@@ -135,12 +123,11 @@ def main() -> int:
         grouped = results[f"{kind}/group"].get("to_serving_s")
         ratio = f"{grouped / single:.2f}x" if single and grouped else "n/a"
         lines.append(f"| {kind} | {single} s | {grouped} s | {ratio} |")
-    lines += ["", f"One run each, mlx-lm {VERSION}, tiny llama on CPU; git {revision}, {stamp}; "
-              f"`{Path(sys.executable).relative_to(ROOT) if str(sys.executable).startswith(str(ROOT)) else sys.executable} "
-              "bench/group_recovery.py`", ""]
+    lines += ["", f"_One run each (a single run has no noise estimate: read the ratio as "
+              f"rough), mlx-lm {VERSION}, tiny llama on CPU; {stamp_line(figure_stamp)}._", ""]
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "group_recovery.json").write_text(
-        json.dumps({"revision": revision, "time": stamp, "results": results}, indent=2) + "\n")
+        json.dumps({**figure_stamp, "results": results}, indent=2, default=str) + "\n")
     (args.results_dir / "group_recovery.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

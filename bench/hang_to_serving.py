@@ -2,7 +2,7 @@
 
 The hang: a real stock mlx_lm.server 0.32.2 (tiny random llama, CPU) whose
 generation loop blocks forever inside a decode step at 0% CPU
-(tests/support/faults: MLX_TEST_FAULT=hang:decode, armed after the warm-up,
+(harness/faults: MLX_TEST_FAULT=hang:decode, armed after the warm-up,
 struck by one ordinary request). /health still says 200; the process lives.
 
 Two ways to watch it, each over several hangs:
@@ -45,18 +45,16 @@ import os
 import random
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-import requests  # noqa: E402
+import psutil
+import requests
 
-from common import (  # noqa: E402
+from bench.common import (
     FAULTS_DIR,
     Figure,
     build_model,
@@ -68,11 +66,12 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import TimedProcess, TimedServer, post_chat  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from bench.procs import TimedProcess, TimedServer
+from harness.procs import chat
+from harness.server import base_env, free_port
 
-from mlx_watchdog import defaults  # noqa: E402
-from mlx_watchdog.probe import Probe  # noqa: E402
+from mlx_watchdog import defaults
+from mlx_watchdog.probe import Probe
 
 VERSION = "0.32.2"
 FAULT = "hang:decode"
@@ -102,7 +101,7 @@ def wait_serving(url: str, deadline: float) -> Optional[float]:
     """Poll one-token completions until one is answered 200; when (time.time())."""
     while time.time() < deadline:
         try:
-            response = post_chat(url, "are you there", max_tokens=1, timeout=(0.5, 3))
+            response = chat(url, "are you there", max_tokens=1, timeout=(0.5, 3))
             if response.status_code == 200 and response.json().get("choices"):
                 return time.time()
         except (requests.RequestException, ValueError):
@@ -114,7 +113,7 @@ def wait_serving(url: str, deadline: float) -> Optional[float]:
 def hang_now(url: str, arm: Path, out, start_line: int) -> Optional[float]:
     """Arm the fault, send one request to strike it, disarm; the hang moment."""
     arm.touch()
-    threading.Thread(target=lambda: _quiet(lambda: post_chat(url, "tell me a story",
+    threading.Thread(target=lambda: _quiet(lambda: chat(url, "tell me a story",
                                                             max_tokens=50, timeout=60)),
                      daemon=True).start()
     hit = out.wait_line(FAULT_LINE, 60, start_line)
@@ -357,7 +356,7 @@ LONG_TOKENS = 1500  # per queued request; the decode rate is measured at this le
 
 def decode_rate(url: str, tokens: int = LONG_TOKENS) -> float:
     started = time.time()
-    response = post_chat(url, "measure", max_tokens=tokens, timeout=300)
+    response = chat(url, "measure", max_tokens=tokens, timeout=300)
     response.raise_for_status()
     return tokens / (time.time() - started)
 
@@ -383,7 +382,7 @@ def saturation(fig: Figure, model: Path, work: Path, seconds: float) -> dict:
 
         def send(i: int) -> None:
             try:
-                r = post_chat(url, f"long story {i}", max_tokens=max_tokens,
+                r = chat(url, f"long story {i}", max_tokens=max_tokens,
                               timeout=seconds * 10 + 300)
                 tokens = r.json().get("usage", {}).get("completion_tokens")
                 results[i] = {"status": r.status_code, "tokens": tokens, "at": time.time()}
@@ -488,7 +487,7 @@ def main() -> int:
           f"({sat['naive_failed_probes']}/{sat['naive_probes']} probes failed)",
           "each restart would have killed the requests in flight"]])
     body += (
-        f"\n\nHang: `MLX_TEST_FAULT={FAULT}` (tests/support/faults) on stock mlx-lm {VERSION}, "
+        f"\n\nHang: `MLX_TEST_FAULT={FAULT}` (harness/faults) on stock mlx-lm {VERSION}, "
         "armed after the warm-up and struck by one request at a random moment of the probe "
         "cycle; the loop blocks at 0% CPU while /health stays 200. Hang moment: the `t=` the "
         "injector writes just before it blocks. Serving again: the first one-token completion "

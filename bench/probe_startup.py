@@ -1,6 +1,6 @@
 """Start-up cost of `mlx-watchdog probe`, lazy CLI vs the eager one it replaced.
 
-    <python> bench/probe_startup.py [--runs N] [--results-dir DIR]
+    <python> -m bench.probe_startup [--runs N] [--results-dir DIR]
 
 Both arms run in the same run, interleaved, against a closed port (so the
 probe itself costs nothing and only start-up is measured):
@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import MAIN_VERSION, ROOT, noise_verdict, percentile, stamp, stamp_line
+
 PROBE = ["probe", "--url", "http://127.0.0.1:9", "--timeout", "1"]
 EAGER = ("import sys, mlx_watchdog.daemon_cli, mlx_watchdog.install.cli, "
          "mlx_watchdog.reports_cli; from mlx_watchdog.cli import main; "
@@ -45,25 +46,32 @@ def main() -> None:
     for _ in range(args.runs):
         lazy.append(once(LAZY))
         eager.append(once(EAGER))
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip()
+    figure_stamp = stamp("bench.probe_startup", sys.argv[1:], versions=(MAIN_VERSION,))
+    # The noise: the larger interquartile range of the two arms. A difference
+    # of medians inside it is no result.
+    noise = max(percentile(lazy, 75) - percentile(lazy, 25),
+                percentile(eager, 75) - percentile(eager, 25))
+    difference = statistics.median(eager) - statistics.median(lazy)
     result = {
-        "revision": rev, "runs": args.runs, "python": sys.version.split()[0],
+        **figure_stamp, "runs": args.runs, "python": sys.version.split()[0],
+        "noise_s": noise,
+        "verdict": noise_verdict(difference, noise, f"lazy is {difference * 1000:.0f} ms faster"),
         "lazy_median_s": statistics.median(lazy), "eager_median_s": statistics.median(eager),
         "ratio_lazy_to_eager": statistics.median(lazy) / statistics.median(eager),
         "lazy_s": lazy, "eager_s": eager,
-        "command": " ".join([Path(sys.executable).name, "bench/probe_startup.py",
-                             "--runs", str(args.runs)]),
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "probe_startup.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.results_dir / "probe_startup.json").write_text(
+        json.dumps(result, indent=1, default=str) + "\n")
     md = (
         "## `mlx-watchdog probe` start-up\n\n"
         "| CLI | median wall time (s) | ratio |\n|---|---|---|\n"
         f"| eager (every command module imported, as before) | {result['eager_median_s']:.3f} | 1.00 |\n"
         f"| lazy (now) | {result['lazy_median_s']:.3f} | {result['ratio_lazy_to_eager']:.2f} |\n\n"
-        f"_{args.runs} interleaved runs each, probe to a closed port; git {rev}; "
-        f"`{result['command']}`._\n"
+        f"Verdict: {result['verdict']} (noise: the larger interquartile range, "
+        f"{noise * 1000:.0f} ms).\n\n"
+        f"_{args.runs} interleaved runs each, probe to a closed port; "
+        f"{stamp_line(figure_stamp)}._\n"
     )
     (args.results_dir / "probe_startup.md").write_text(md)
     print(md)

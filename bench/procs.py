@@ -25,8 +25,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import requests
 
-from common import CLEANUP
-from tests.support.server import BackgroundRequest, StockServer, sse_events
+from bench.common import CLEANUP
+from harness.server import BackgroundRequest, StockServer, sse_events
 
 
 class _Output:
@@ -307,15 +307,3 @@ class SentRequest(Client):
     @property
     def status(self) -> Optional[int]:
         return self._status
-
-
-def chat_body(content: str, *, max_tokens: int, stream: bool = False, **extra) -> dict:
-    return {"model": "default_model", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": stream, **extra}
-
-
-def post_chat(url: str, content: str, *, max_tokens: int, timeout, stream: bool = False,
-              **extra) -> requests.Response:
-    return requests.post(f"{url}/v1/chat/completions",
-                         json=chat_body(content, max_tokens=max_tokens, stream=stream, **extra),
-                         timeout=timeout, stream=stream)

@@ -5,7 +5,7 @@ Both on a real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), under
 `mlx-watchdog supervise` with default settings (only `--log-format json
 --state-file <tmp>` added):
 
-  livelock     `MLX_TEST_FAULT=livelock:batch` (tests/support/faults):
+  livelock     `MLX_TEST_FAULT=livelock:batch` (harness/faults):
                `BatchGenerator.next` returns no responses, forever, from one
                ordinary request on (upstream #1493). The loop keeps turning;
                nothing is delivered. MLX_HOTFIX_STALL_TIMEOUT=10 for both
@@ -32,16 +32,14 @@ from __future__ import annotations
 import io
 import re
 import subprocess
-import sys
 import tarfile
 import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from bench.common import (
     FAULTS_DIR,
     Figure,
     build_model,
@@ -52,15 +50,16 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from hang_to_serving import (  # noqa: E402
+from bench.hang_to_serving import (
     LOAD_S,
     server_args,
     track_children,
     wait_event,
     wait_serving,
 )
-from procs import TimedProcess, post_chat  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from bench.procs import TimedProcess
+from harness.procs import chat
+from harness.server import base_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_LINE = re.compile(r"mlx-test-fault: (\w+) at (\w+) t=([0-9.]+)")
@@ -139,7 +138,7 @@ def one_run(fig: Figure, scenario: str, side: str, model: Path, work: Path,
 
 def _quiet_chat(url: str) -> None:
     try:
-        post_chat(url, "this one livelocks", max_tokens=50, timeout=60)
+        chat(url, "this one livelocks", max_tokens=50, timeout=60)
     except Exception:  # noqa: BLE001 - it is expected to fail
         pass
 

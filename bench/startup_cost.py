@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import random
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from bench.common import (
     SHIM_DIR,
     VERSIONS,
     Figure,
@@ -33,7 +30,7 @@ from common import (  # noqa: E402
     stats,
     table,
 )
-from tests.support.server import base_env  # noqa: E402
+from harness.server import base_env
 
 GOAL_MS = 3.0
 VARIANTS = ("stock", "shim", "off")

@@ -22,13 +22,11 @@ patched advance does not, so long decodes can be faster with the shim.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from bench.common import (
     VERSIONS,
     Figure,
     build_model,
@@ -38,7 +36,8 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import TimedServer, post_chat  # noqa: E402
+from bench.procs import TimedServer
+from harness.procs import chat
 
 GOAL = 0.99
 PROMPT = "Write a very long story about a fox and a dog."
@@ -47,7 +46,7 @@ ABBA = (("stock", "shim", "shim", "stock"), ("shim", "stock", "stock", "shim"))
 
 def one_run(server: TimedServer, max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    response = post_chat(server.url, PROMPT, max_tokens=max_tokens, timeout=1800)
+    response = chat(server.url, PROMPT, max_tokens=max_tokens, timeout=1800)
     wall = time.perf_counter() - t0
     response.raise_for_status()
     usage = response.json()["usage"]

@@ -28,16 +28,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
+import psutil
 
-from common import (  # noqa: E402
+from bench.common import (
     CLEANUP,
     ROOT,
     Figure,
@@ -49,19 +47,19 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from tests.support.server import base_env, free_port  # noqa: E402
+from harness import FAKE_SERVER
+from harness.server import base_env, free_port
 
 GOAL_RSS_MB = 40.0
 GOAL_CPU_PCT = 0.5
 SETTLE_S = 6.0  # one default probe cycle after every instance is healthy
 
-# The helper process: N fake servers (tests/fakeserver.py), one line of JSON
+# The helper process: N fake servers (harness/fakeserver.py), one line of JSON
 # with their ports on stdout, then it serves until killed. Every request is
 # counted; `kill -USR1` makes it print the counts.
 FAKES = r"""
 import json, signal, sys, threading, time
-sys.path.insert(0, sys.argv[2])
-from tests.fakeserver import FakeServer
+from harness.fakeserver import FakeServer
 fakes = [FakeServer().__enter__() for _ in range(int(sys.argv[1]))]
 print(json.dumps([f.port for f in fakes]), flush=True)
 def report(*_):
@@ -74,7 +72,7 @@ while True:
 
 class Fakes:
     def __init__(self, n: int):
-        self.proc = subprocess.Popen([str(main_python()), "-c", FAKES, str(n), str(ROOT)],
+        self.proc = subprocess.Popen([str(main_python()), "-c", FAKES, str(n)], cwd=ROOT,
                                      stdout=subprocess.PIPE, text=True,
                                      env=base_env(shim=False), start_new_session=True)
         CLEANUP.add(self.proc)
@@ -148,7 +146,7 @@ def run_case(fig: Figure, work: Path, case: str, window: float) -> Dict:
         names = [f"127.0.0.1:{port}"]
         argv = [str(main_python()), "-m", "mlx_watchdog", "supervise", "--no-shim",
                 "--log-format", "json", "--state-file", str(state), "--",
-                str(main_python()), str(ROOT / "tests" / "fakeserver.py"), "--port", str(port),
+                str(main_python()), str(FAKE_SERVER), "--port", str(port),
                 "--starts", str(work / "starts")]
     proc = start(argv, log)
     try:
@@ -174,8 +172,7 @@ def run_case(fig: Figure, work: Path, case: str, window: float) -> Dict:
                 f"{result.get('probes', '-')} probes")
         return result
     finally:
-        kill_group(proc, signal.SIGTERM)  # a supervisor stops its child on SIGTERM
-        kill_group(proc)
+        kill_group(proc, grace_s=30)  # SIGTERM first: a supervisor stops its child on it
         CLEANUP.discard(proc)
         if child is not None:
             try:
@@ -227,7 +224,7 @@ def main() -> int:
             f"at the default 5 s probe interval, over {window:g} s.\n\n")
     body += table(["process", "RSS median (vs floor)", "RSS max", "USS", "CPU, % of one core",
                    "threads", "probes seen / expected"], rows)
-    body += ("\n\nThe fake servers (tests/fakeserver.py, a good one-token completion each) run "
+    body += ("\n\nThe fake servers (harness/fakeserver.py, a good one-token completion each) run "
              "in a separate helper process, so only the watchdog is measured; the supervised "
              "child is a fake server too and is not counted. RSS sampled every second after "
              "every instance was healthy and one more probe cycle; CPU is user+system time "

@@ -16,23 +16,19 @@ Run it with scripts/demo (which sets up the environments first).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import requests
 
-import requests  # noqa: E402
-
-from tests.support.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty  # noqa: E402
-from tests.support.server import StockServer, base_env, free_port, python_for  # noqa: E402
-from tests.support.tinymodel import build_llama  # noqa: E402
+from harness.procs import chat, kill_group
+from harness.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
+from harness.server import StockServer, base_env, free_port, python_for
+from harness.tinymodel import build_llama
 
 VERSION = "0.31.3"
 ZOMBIE_WAIT_S = 15
@@ -120,21 +116,14 @@ class Supervised:
     def ready(self, timeout: float = 120) -> bool:
         def answers() -> bool:
             try:
-                return requests.post(
-                    f"{self.url}/v1/chat/completions", timeout=30,
-                    json={"model": "default_model", "max_tokens": 1, "repetition_penalty": 1.3,
-                          "messages": [{"role": "user", "content": "hi"}]},
-                ).status_code == 200
+                return chat(self.url, "hi", max_tokens=1, timeout=30,
+                            repetition_penalty=1.3).status_code == 200
             except requests.RequestException:
                 return False
         return wait_until(answers, timeout, 0.2)
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_group(self.proc, grace_s=30)  # SIGTERM: the supervisor stops its child first
         self._log.close()
 
 

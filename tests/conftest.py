@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import server as server_support
-from tests.support.server import VERSIONS, StockServer, python_for
+from harness import FAULTS_DIR
+from harness import server as server_support
+from harness.server import VERSIONS, StockServer, python_for
 
-FAULTS_DIR = Path(__file__).parent / "support" / "faults"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,14 +33,14 @@ def envs():
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    from tests.support.tinymodel import build_llama
+    from harness.tinymodel import build_llama
 
     return build_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_next(tmp_path_factory):
-    from tests.support.tinymodel import build_qwen3_next
+    from harness.tinymodel import build_qwen3_next
 
     return build_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
 
@@ -61,7 +61,7 @@ def servers(tmp_path, envs):
 
 
 def fault_env(spec: str, arm_file: Path | None = None, *, shim: bool = True) -> dict:
-    """PYTHONPATH and variables that inject one fault (tests/support/faults)."""
+    """PYTHONPATH and variables that inject one fault (harness/faults)."""
     path = ([str(server_support.SHIM_DIR)] if shim else []) + [str(FAULTS_DIR)]
     env = {"PYTHONPATH": os.pathsep.join(path), "MLX_TEST_FAULT": spec}
     if arm_file is not None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.support.server import SHIM_DIR, free_port, python_for
+from harness.server import SHIM_DIR, free_port, python_for
 
 
 def _doctor(python, *args, pythonpath=None):

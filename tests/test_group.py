@@ -22,7 +22,7 @@ import pytest
 
 from mlx_watchdog import group
 from mlx_watchdog.group import GroupError, GroupHeartbeat, parse_launch
-from tests.support.server import python_for
+from harness.server import python_for
 
 SERVER = ["python", "-m", "mlx_lm", "server", "--model", "m", "--port", "9000"]
 

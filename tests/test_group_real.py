@@ -22,8 +22,9 @@ import psutil
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import BackgroundRequest, base_env, free_port, python_for
-from tests.support.watchdog_run import WatchdogProcess, chat, is_gone, wait_serving
+from harness.server import BackgroundRequest, base_env, free_port, python_for
+from harness.procs import chat
+from harness.watchdog_run import WatchdogProcess, is_gone, wait_serving
 
 pytestmark = pytest.mark.server
 

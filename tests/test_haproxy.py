@@ -19,9 +19,9 @@ import time
 import pytest
 
 from tests.conftest import fault_env
-from tests.fakeserver import HANG, HEALTH_OK, FakeServer, json_answer
-from tests.support.haproxy import CONFIG, ClientLoop, HAProxy, config_for, haproxy_binary
-from tests.support.server import SHIM_DIR, VERSIONS
+from harness.fakeserver import HANG, HEALTH_OK, FakeServer, json_answer
+from harness.haproxy import CONFIG, ClientLoop, HAProxy, config_for, haproxy_binary
+from harness.server import SHIM_DIR, VERSIONS
 
 _TIMING = re.search(r"inter (\d+)s fall (\d+)", CONFIG.read_text())
 # How long HAProxy may take to mark a server down: `fall` checks `inter` apart.

@@ -1,6 +1,6 @@
 """Issue 9, the watchdog's side: config, probe, security and CLI hardening.
 
-Unit tests with fakes (the watchdog's own logic) and tests/fakeserver.py.
+Unit tests with fakes (the watchdog's own logic) and harness/fakeserver.py.
 Each test fails without its fix.
 """
 
@@ -41,7 +41,7 @@ from mlx_watchdog.process import CpuSampler, ProcessLocator
 from mlx_watchdog.redact import Secret, printable, scrub
 from mlx_watchdog.state import StateStore, format_status, read_state
 from mlx_watchdog.supervise import Supervisor, url_from_command
-from tests.fakeserver import FakeServer, json_answer
+from harness.fakeserver import FakeServer, json_answer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from mlx_watchdog.heartbeat import HeartbeatTracker
 from mlx_watchdog.judge import BUSY, DOWN, HEALTHY, PORT_TAKEN, Evidence, Judge, JudgeConfig
 from mlx_watchdog.listener import ListenerCheck
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
-from tests.fakeserver import FakeServer
+from harness.fakeserver import FakeServer
 from tests.test_supervise import wait_for
 
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support.server import SHIM_DIR, base_env
+from harness.server import SHIM_DIR, base_env
 from tests.test_sdnotify_server import FakeSystemd
 
 
@@ -200,7 +200,7 @@ def test_the_shim_exits_when_its_supervisor_is_killed(tmp_path, watch):
     (The supervisor here is a plain process that sets the variable and is
     then SIGKILLed; "off" shows the orphan a supervisor leaves without it.)"""
     import psutil
-    from tests.support.server import python_for
+    from harness.server import python_for
 
     supervisor = subprocess.Popen([str(python_for("0.32.2")), "-c", INTERMEDIATE, watch],
                                   env=base_env(), stdout=subprocess.PIPE, text=True)
@@ -240,7 +240,7 @@ def test_exit_grace_below_the_floor_is_raised_with_a_warning(tmp_path):
 @pytest.mark.server
 def test_exit_grace_zero_still_answers_every_stream(servers, tiny_llama, tmp_path):
     from tests.conftest import fault_env
-    from tests.support.server import BackgroundRequest, sse_events
+    from harness.server import BackgroundRequest, sse_events
 
     arm = tmp_path / "arm"
     env = fault_env("raise:typeerror:decode:2", arm)

@@ -785,7 +785,7 @@ def test_real_drop_in_folder_is_the_default(env, monkeypatch):
 
 
 def test_generated_configs_load_in_the_watch_config_parser(env):
-    config = pytest.importorskip("mlx_watchdog.config")
+    from mlx_watchdog import config
     port, _ = env.installed("systemd", "--name", "qwen.8b")
     env.installed("launchd", "--name", "qwen.8b", port=port)
     paths = [env.user_config / "qwen.8b.toml", env.support / "qwen.8b.toml"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.server import free_port, python_for
+from harness.server import free_port, python_for
 
 pytestmark = pytest.mark.server
 

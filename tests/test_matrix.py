@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import ENVS_DIR, BackgroundRequest, python_for
+from harness.server import ENVS_DIR, BackgroundRequest, python_for
 
 CLIENT_TIMEOUT = 60
 

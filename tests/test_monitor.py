@@ -7,13 +7,13 @@ import json
 import logging
 import re
 import threading
-from typing import List
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from mlx_watchdog.act import ActionResult
+from harness.fakes import Clock, FakeAction, FakeProcess
+
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.cli import main
 from mlx_watchdog.judge import (
@@ -31,42 +31,11 @@ from mlx_watchdog.log import Events, setup_logging
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.monitor import Monitor
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
-from mlx_watchdog.process import ProcessSample
 from mlx_watchdog.state import StateStore, format_status, read_state
 from mlx_watchdog.watch import Watcher
 
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
 TIMEOUT = ProbeResult(UNHEALTHY, 10.0, reason="timed out after 10s")
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeProcess:
-    def __init__(self, cpu_s: float):
-        self.cpu_s = cpu_s
-        self.resets = 0
-
-    def sample(self, rescan=True) -> ProcessSample:
-        return ProcessSample(alive=True, cpu_s=self.cpu_s, wall_s=5.0)
-
-    def reset(self) -> None:
-        self.resets += 1
-
-
-class FakeAction:
-    def __init__(self, ok: bool = True):
-        self.ok = ok
-        self.reasons: List[str] = []
-
-    def restart(self, reason: str) -> ActionResult:
-        self.reasons.append(reason)
-        return ActionResult(self.ok, "did it" if self.ok else "launchctl: command not found")
 
 
 @pytest.fixture
@@ -374,7 +343,7 @@ def test_watch_command_runs_until_sigterm(tmp_path):
     import sys
     import time
 
-    from tests.fakeserver import FakeServer
+    from harness.fakeserver import FakeServer
 
     state = tmp_path / "state.json"
     with FakeServer() as server:

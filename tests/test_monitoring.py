@@ -15,9 +15,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakeserver import FakeServer
-from tests.support.server import free_port
-from tests.support.watchdog_run import WatchdogProcess
+from harness.fakeserver import FakeServer
+from harness.server import free_port
+from harness.watchdog_run import WatchdogProcess
 
 MONITORING = Path(__file__).resolve().parents[1] / "monitoring"
 RULES = MONITORING / "alerts.yml"

@@ -1,7 +1,7 @@
 """advance: the lazy graph behind ArraysCache (upstream #1641/#1845), on a
 tiny random hybrid qwen3_next decoded through the real BatchGenerator.
 
-Stock and patched runs of tests/support/advance_probe.py are compared: the
+Stock and patched runs of harness/advance_probe.py are compared: the
 greedy tokens and every lengths/left_padding value must be identical, and the
 stale graph must stay a few nodes deep instead of one node per step.
 """
@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import VERSIONS, run_python
+from harness import ADVANCE_PROBE, ROOT
+from harness.server import VERSIONS, run_python
 
-PROBE = Path(__file__).parent / "support" / "advance_probe.py"
+PROBE = ADVANCE_PROBE
 STEPS = 300
 
 
 def probe(version: str, model: Path, *, patched: bool) -> dict:
-    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+            "runpy.run_module('harness.advance_probe', run_name='__main__')")
     result = run_python(version, code, args=[str(PROBE), str(model), str(STEPS)],
-                        env={"MLX_HOTFIX": "1" if patched else "0"}, timeout=600)
+                        env={"MLX_HOTFIX": "1" if patched else "0"}, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import FAULTS_DIR
-from tests.support.server import SHIM_DIR, VERSIONS, sse_events
+from harness.server import SHIM_DIR, VERSIONS, sse_events
 
 pytestmark = pytest.mark.server
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.support.repro import (
+from harness.repro import (
     EXTEND_CRASH_ARGS,
     long_prompt,
     send_extend_crash_pair,
     warm_up_with_penalty,
 )
-from tests.support.server import run_python
+from harness.server import run_python
 
 pytestmark = pytest.mark.server
 

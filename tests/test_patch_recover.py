@@ -1,6 +1,6 @@
 """recover (MLX_HOTFIX_RECOVER=thread): a death is answered as always, then a
 fresh generation loop serves in the same process with the model it already
-had. Real stock 0.31.3 and 0.32.2 servers, one-shot faults (tests/support/faults)
+had. Real stock 0.31.3 and 0.32.2 servers, one-shot faults (harness/faults)
 armed per death; model loads traced by the fault injector."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
-from tests.support.server import VERSIONS
+from harness.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
+from harness.server import VERSIONS
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from mlx_watchdog.cli import main
 from mlx_watchdog.probe import OK, UNHEALTHY, UNREACHABLE, Probe, ProbeResult
-from tests.fakeserver import (
+from harness.fakeserver import (
     DEAD_THREAD,
     DRIBBLE_BODY,
     DRIBBLE_HEADERS,

@@ -20,7 +20,7 @@ from mlx_watchdog.probe import Probe
 from mlx_watchdog.redact import Secret, redact_url
 from mlx_watchdog.state import StateStore
 from mlx_watchdog.watch import build_monitor
-from tests.fakeserver import FakeServer, json_answer
+from harness.fakeserver import FakeServer, json_answer
 
 KEY = "sk-live-Zq81xTopSecret"
 

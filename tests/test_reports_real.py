@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, free_port
+from harness.server import VERSIONS, free_port
 from tests.test_watchdog_real import (  # noqa: F401 - the fixture
     FAST, LOAD_S, hung_request, server_command, strike, watchdogs)
-from tests.support.watchdog_run import wait_serving
+from harness.watchdog_run import wait_serving
 
 pytestmark = pytest.mark.server
 

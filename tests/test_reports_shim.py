@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, BackgroundRequest, run_python
+from harness.server import VERSIONS, BackgroundRequest, run_python
 
 SECRET_PROMPT = "zebra-quartz-lantern " * 30  # must never reach a report
 CLIENT_TIMEOUT = 90
@@ -107,7 +107,7 @@ def test_write_report_never_raises_and_keeps_the_newest(envs, tmp_path):
         " == ['-m', '--api-key', '***', '--token=***', '--port', '1']\n"
         "print(reports.count_reports(sys.argv[2]))\n"
     )
-    from tests.support.server import SHIM_DIR
+    from harness.server import SHIM_DIR
 
     done = run_python(VERSIONS[-1], code, shim=False, args=[str(SHIM_DIR), str(reports)],
                       env={"MLX_HOTFIX_REPORT_DIR": str(reports)})

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.fakes import Clock
+
 SDNOTIFY_PY = Path(__file__).resolve().parents[1] / "sitecustomize" / "mlx_hotfix" / "sdnotify.py"
 
 pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs AF_UNIX")
@@ -30,14 +32,6 @@ def _load():
 
 sdnotify = _load()
 SdNotifier = sdnotify.SdNotifier
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -126,7 +120,7 @@ def test_socket_is_cached(listener):
 
 def test_watchdog_ping_rate_limited_with_injected_clock(listener):
     path, sock = listener
-    clock = FakeClock()
+    clock = Clock()
     n = SdNotifier(environ={"NOTIFY_SOCKET": path}, clock=clock, min_interval=5)
     assert n.watchdog_ping() is True
     assert n.watchdog_ping() is False  # same instant
@@ -169,7 +163,7 @@ def test_bad_watchdog_usec_is_ignored(listener):
 
 def test_watchdog_rate_limit_default_interval(listener):
     path, sock = listener
-    clock = FakeClock()
+    clock = Clock()
     env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000"}
     n = SdNotifier(environ=env, clock=clock)
     assert n.min_interval == 2.0
@@ -211,7 +205,7 @@ def test_failed_ping_does_not_consume_interval(tmp_path):
     path = tmp_path / "late.sock"
     if len(str(path)) > 100:
         path = Path("/tmp") / f"sdn-{uuid.uuid4().hex[:12]}.sock"
-    clock = FakeClock()
+    clock = Clock()
     n = SdNotifier(environ={"NOTIFY_SOCKET": str(path)}, clock=clock, min_interval=10)
     assert n.watchdog_ping() is False  # nobody listening yet
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, BackgroundRequest
+from harness.server import VERSIONS, BackgroundRequest
 
 pytestmark = pytest.mark.server
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server import ROOT, SHIM_DIR, VERSIONS, base_env, python_for, run_python
+from harness.server import ROOT, SHIM_DIR, VERSIONS, base_env, python_for, run_python
 
 SNAPSHOT = (
     "import sys, json; print(json.dumps({'modules': sorted(sys.modules), "

@@ -2,7 +2,7 @@
 
 Real stock servers (0.31.3: death reaches threading.excepthook; 0.32.2:
 stock catches it and lives on), tiny generated model, CPU. Faults come from
-tests/support/faults, armed after warm-up.
+harness/faults, armed after warm-up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, BackgroundRequest, run_python, sse_events
+from harness.server import VERSIONS, BackgroundRequest, run_python, sse_events
 
 CLIENT_TIMEOUT = 60  # far above the 1 s grace: a client that hits it was left waiting
 
@@ -64,7 +64,7 @@ def _assert_stream_ends_with_error(request: BackgroundRequest) -> None:
 
 # Every death mode users reported upstream, where it strikes: (fault, the
 # line the shim must print). The faults raise the real messages
-# (tests/support/faults); the natural `extend` crash is in test_patch_extend.
+# (harness/faults); the natural `extend` crash is in test_patch_extend.
 DEATHS = {
     "typeerror-prefill": ("raise:typeerror:prefill:1", "TypeError: 'NoneType' object is not iterable"),
     "typeerror-decode": ("raise:typeerror:decode:2", "TypeError: 'NoneType' object is not iterable"),
@@ -217,7 +217,7 @@ POST_DEATH_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("version", VERSIONS)
 def test_health_and_new_requests_say_503_once_the_thread_is_dead(envs, tiny_llama, tmp_path,
                                                                  version):
-    from tests.support.server import free_port
+    from harness.server import free_port
 
     arm = tmp_path / "arm"
     result = run_python(version, POST_DEATH_SCRIPT,
@@ -270,11 +270,17 @@ def test_other_threads_dying_do_not_exit(envs, version):
 
 
 def test_exit_switch_off_leaves_stock_behaviour(envs):
-    code = ("import mlx_lm.server as s; from mlx_hotfix._wrap import wrapped_by; "
-            "g = s.ResponseGenerator._generate; print(wrapped_by(g, 'exit'), g.__module__)")
+    # The mark every wrapper carries (mlx_hotfix._wrap), not __module__:
+    # a wrapper made with functools.wraps would copy __module__ too.
+    code = ("import mlx_lm.server as s; from mlx_hotfix._wrap import _MARK, wrapped_by; "
+            "g = s.ResponseGenerator._generate; "
+            "print(wrapped_by(g, 'exit'), getattr(g, _MARK, None), hasattr(g, '__wrapped__'))")
+    result = run_python("0.31.3", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "True"  # the control: the check can see a wrapper
     result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[0] == "False"  # the heartbeat part may wrap it, not exit
     result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit,heartbeat"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False mlx_lm.server"
+    assert result.stdout.strip() == "False None False"  # the stock function itself

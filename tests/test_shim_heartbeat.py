@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.support.server import SHIM_DIR, VERSIONS, base_env
+from harness.server import SHIM_DIR, VERSIONS, base_env
 
 import subprocess
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.conftest import fault_env
-from tests.support.server import VERSIONS, BackgroundRequest
+from harness.server import VERSIONS, BackgroundRequest
 from tests.test_sdnotify_server import FakeSystemd
 
 pytestmark = pytest.mark.server

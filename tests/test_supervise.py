@@ -1,5 +1,5 @@
 """supervise: Supervisor.tick with fakes, then a real supervisor process with a
-tiny fake server as its child (tests/fakeserver.py)."""
+tiny fake server as its child (harness/fakeserver.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from typing import List
 import psutil
 import pytest
 
+from harness import FAKE_SERVER
+from harness.fakes import Clock, FakeProcess
 from mlx_watchdog import defaults
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.config import InstanceConfig, RestartConfig
@@ -31,7 +33,6 @@ from mlx_watchdog.judge import (
 )
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
-from mlx_watchdog.process import ProcessSample
 from mlx_watchdog.supervise import (
     Supervisor,
     SupervisorError,
@@ -42,7 +43,6 @@ from mlx_watchdog.supervise import (
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
 TIMEOUT = ProbeResult(UNHEALTHY, 1.0, reason="timed out after 1s")
 REPO = Path(__file__).resolve().parents[1]
-FAKE_SERVER = REPO / "tests" / "fakeserver.py"
 
 
 # -- url_from_command ------------------------------------------------------------
@@ -77,14 +77,6 @@ def test_describe_exit():
 
 
 # -- tick() with fakes ------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 class FakeChild:
@@ -131,17 +123,6 @@ class FakeSpawner:
         return self.children[-1]
 
 
-class FakeProcess:
-    def __init__(self):
-        self.cpu_s = 0.0
-
-    def sample(self, rescan=True):
-        return ProcessSample(alive=True, cpu_s=self.cpu_s, wall_s=5.0)
-
-    def reset(self):
-        pass
-
-
 class Probes:
     def __init__(self, clock):
         self.clock = clock
@@ -153,7 +134,7 @@ class Probes:
 
 
 def make(tmp_path, *, boot_grace=0.0, max_restarts=5, backoff=1.0):
-    clock = Clock()
+    clock = Clock(100.0)
     spawner = FakeSpawner()
     probes = Probes(clock)
     process = FakeProcess()

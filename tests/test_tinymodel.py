@@ -1,14 +1,13 @@
-"""Quick checks of the tiny on-disk models in tests/support/tinymodel.py."""
+"""Quick checks of the tiny on-disk models in harness/tinymodel.py."""
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import mlx_lm.utils as mlx_lm_utils
 import pytest
 
-from tests.support import tinymodel
-
-mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
+from harness import tinymodel
 
 
 def _chat_prompt(tok):

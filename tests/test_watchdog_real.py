@@ -5,7 +5,7 @@ CPU) or watching small fake servers that misbehave on purpose.
 Short settings for speed (probe every 1 s, 2 s timeout, 3 failures, 3 s
 heartbeat timeout). No timing assertions: outcomes, with generous bounded
 waits. Every process started here is killed at the end of its test, by
-process group (tests/support/watchdog_run.py).
+process group (harness/watchdog_run.py).
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ import pytest
 import requests
 
 from tests.conftest import fault_env
-from tests.fakeserver import DRIBBLE_BODY, OK, FakeServer, json_answer
-from tests.support.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
-from tests.support.server import BackgroundRequest, base_env, free_port, python_for
-from tests.support.watchdog_run import WatchdogProcess, chat, is_gone, wait_serving
+from harness import FAKE_SERVER
+from harness.fakeserver import DRIBBLE_BODY, OK, FakeServer, json_answer
+from harness.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
+from harness.server import BackgroundRequest, base_env, free_port, python_for
+from harness.procs import chat
+from harness.watchdog_run import WatchdogProcess, is_gone, wait_serving
 
 pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parents[1]
-FAKE_SERVER = REPO / "tests" / "fakeserver.py"
 FAST = ["--probe-interval", "1", "--probe-timeout", "2", "--failures", "3",
         "--boot-grace", "30", "--heartbeat-timeout", "3", "--stop-grace", "3"]
 LOAD_S = 180  # bound for a server to load and answer (a slow, shared machine)
@@ -192,7 +193,7 @@ def test_the_stock_031_zombie_is_judged_wedged_and_restarted(watchdogs, tiny_lla
     url = f"http://127.0.0.1:{port}"
     sup = watchdogs(["supervise", "--no-shim", *FAST, "--",
                      *server_command("0.31.3", tiny_llama, port, *EXTEND_CRASH_ARGS)])
-    # The crash needs a warm-up with a penalty (tests/support/repro.py).
+    # The crash needs a warm-up with a penalty (harness/repro.py).
     wait_serving(url, LOAD_S, log=sup, repetition_penalty=PENALTY)
     sup.wait_event(lambda e: e.get("state") == "healthy", 60, "a healthy probe")  # grace over
     first = sup.current_child()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import fault_env
-from tests.support.server import free_port
-from tests.support.watchdog_run import is_gone, wait_serving
+from harness.server import free_port
+from harness.watchdog_run import is_gone, wait_serving
 from tests.test_watchdog_real import (  # noqa: F401 - watchdogs is a fixture
     FAST,
     LOAD_S,

@@ -21,7 +21,7 @@ Properties the tests rely on:
 
 CLI::
 
-    python tests/support/tinymodel.py {llama,qwen3_next} OUT_DIR [--layers N] [--seed S]
+    python harness/tinymodel.py {llama,qwen3_next} OUT_DIR [--layers N] [--seed S]
 
 Only depends on mlx, mlx_lm, numpy, tokenizers and the stdlib.
 """

@@ -25,6 +25,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import psutil
 import requests
 
+from harness.procs import chat, kill_group
+
 _PID = re.compile(r"started pid (\d+)")
 
 
@@ -164,25 +166,21 @@ class WatchdogProcess:
 
     def cleanup(self) -> None:
         """SIGKILL whatever is left: the watchdog's group and every child's group."""
-        if self.proc.poll() is None:
-            _kill_group(self._me)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_group(self.proc)
         self.events()
         for proc in self._children.values():
             if proc is not None:
-                _kill_group(proc)
+                _kill_child_group(proc)
 
 
-def _kill_group(proc: psutil.Process) -> None:
+def _kill_child_group(proc: psutil.Process) -> None:
+    # Not our child: psutil checks the pid still names the same process.
     try:
         if proc.is_running():  # also checks the pid was not reused
             if proc.status() == psutil.STATUS_ZOMBIE:
                 return
-            os.killpg(proc.pid, signal.SIGKILL)
-    except (psutil.Error, ProcessLookupError, PermissionError):
+            kill_group(proc.pid)
+    except psutil.Error:
         pass
 
 
@@ -194,13 +192,6 @@ def is_gone(pid: int) -> bool:
 
 
 # -- clients --------------------------------------------------------------------------
-
-
-def chat(url: str, content: str = "hello", *, max_tokens: int = 1, timeout=30,
-         **extra) -> requests.Response:
-    body = {"model": "default_model", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0.0, **extra}
-    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
 
 
 def wait_serving(url: str, timeout: float, *, what: str = "a 200 completion",

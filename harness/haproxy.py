@@ -12,7 +12,6 @@ import io
 import os
 import re
 import shutil
-import signal
 import subprocess
 import threading
 import time
@@ -23,9 +22,10 @@ from typing import Callable, Dict, List, Mapping, Optional
 import pytest
 import requests
 
-from tests.support.server import free_port
+from harness.procs import chat, kill_group
+from harness.server import free_port
 
-CONFIG = Path(__file__).resolve().parents[2] / "monitoring" / "haproxy.cfg"
+CONFIG = Path(__file__).resolve().parents[1] / "monitoring" / "haproxy.cfg"
 BACKEND = "mlx_servers"
 
 
@@ -96,13 +96,7 @@ class HAProxy:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        kill_group(self.proc, grace_s=10, wait_s=10)
 
 
 @dataclass
@@ -134,9 +128,7 @@ class ClientLoop:
             thread.start()
 
     def _chat(self) -> requests.Response:
-        body = {"model": "default_model", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 3, "temperature": 0.0}
-        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=self.timeout)
+        return chat(self.url, "hi", max_tokens=3, timeout=self.timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,8 +17,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
-SHIM_DIR = ROOT / "sitecustomize"
+from harness.procs import chat, kill_group
+from harness import ROOT, SHIM_DIR
+
 VERSIONS = ("0.31.3", "0.32.2")
 ENVS_DIR = Path(os.environ.get("MLX_WATCHDOG_ENVS", ROOT / ".venvs"))
 
@@ -138,12 +137,8 @@ class StockServer:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(30)
+        if self.proc is not None:
+            kill_group(self.proc)
         if getattr(self, "_log", None):
             self._log.close()
 
@@ -165,16 +160,8 @@ class StockServer:
     # -- requests --------------------------------------------------------------
     def chat(self, content: str = "hello", *, max_tokens: int = 8, timeout: float = 60,
              stream: bool = False, **extra) -> requests.Response:
-        body = {
-            "model": "default_model",
-            "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "stream": stream,
-            **extra,
-        }
-        return requests.post(f"{self.url}/v1/chat/completions", json=body, timeout=timeout,
-                             stream=stream)
+        return chat(self.url, content, max_tokens=max_tokens, timeout=timeout, stream=stream,
+                    **extra)
 
     def health(self, timeout: float = 5) -> Optional[int]:
         try:
@@ -249,10 +236,15 @@ def sse_events(body: bytes) -> list:
 
 def run_python(version: str, code: str, *, shim: bool = True,
                env: Optional[Mapping[str, str]] = None, timeout: float = 300,
-               args: Iterable[str] = ()) -> subprocess.CompletedProcess:
-    """Run code in the venv of an mlx-lm release, with or without the shim."""
+               args: Iterable[str] = (), cwd: Optional[Path] = None) -> subprocess.CompletedProcess:
+    """Run code in the venv of an mlx-lm release, with or without the shim.
+
+    With cwd=ROOT, ``python -c`` finds ``harness`` (the current folder comes
+    first on its path), as ``python -m`` from the root does.
+    """
     return subprocess.run(
         [str(python_for(version)), "-c", code, *args],
+        cwd=cwd,
         env=base_env(shim=shim, extra=env),
         capture_output=True,
         text=True,

@@ -1,6 +1,6 @@
 """Measure ArraysCache.advance on the installed mlx-lm, stock or patched.
 
-    python advance_probe.py MODEL_DIR STEPS
+    python -m harness.advance_probe MODEL_DIR STEPS   (from the repository root)
 
 Prints one JSON object:
   tokens        greedy tokens of one prompt decoded STEPS times via BatchGenerator
@@ -24,15 +24,13 @@ import tempfile
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as cache_module
+from mlx_lm.models.cache import ArraysCache
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models import cache as cache_module  # noqa: E402
-from mlx_lm.models.cache import ArraysCache  # noqa: E402
-
-from tests.support.tinymodel import decode_tokens  # noqa: E402
+from harness.tinymodel import decode_tokens
 
 
 def raw_field(cache, name):

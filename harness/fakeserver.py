@@ -4,7 +4,7 @@ In process: `FakeServer(completion=..., health=...)` on a free 127.0.0.1
 port, each answer chosen by the test (see the BEHAVIOURS below).
 
 As a script (the child of a real `mlx-watchdog supervise` in tests):
-    python tests/fakeserver.py --port N --starts FILE [--first-start ok|hang|exit]
+    python harness/fakeserver.py --port N --starts FILE [--first-start ok|hang|exit]
 appends its pid to FILE on start; on the first start only, it misbehaves
 after one good completion ("hang": completions never answer; "exit": the
 process exits with code 70, like the hotfix shim). Later starts are healthy.

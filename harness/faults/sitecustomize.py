@@ -32,6 +32,14 @@ Traces, independent of any fault:
                                  per ModelProvider._load (a real load from disk)
     MLX_TEST_DECODE_COUNT_FILE=P the number of GenerationBatch.next calls so far
                                  (decode steps), rewritten on each call
+    MLX_TEST_DEATH_STAMP=1       (bench) one stderr line ``bench-death: <Type>:
+                                 <message> t=<time.time()>`` the first time an
+                                 exception leaves BatchGenerator.next
+
+Every fault and trace is a post-import hook in the shim's own registry
+(``mlx_hotfix.when_imported``, see _shim_hooks), so it runs right after its
+module executes and before any patch wraps the same code. With none of these
+variables set, this file does nothing at all.
 
 When a fault strikes it writes one line to stderr, just before it acts:
 ``mlx-test-fault: <action> at <where> t=<time.time()>`` (the wall-clock time,
@@ -127,31 +135,32 @@ def _inject(module, action, kind, where, after):
     setattr(owner, name, faulty)
 
 
-class _Finder:
-    def __init__(self, target_module, on_loaded):
-        self.target_module = target_module
-        self.on_loaded = on_loaded
+def _shim_hooks():
+    """The shim's own post-import hooks (mlx_hotfix._hooks), installed.
 
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.target_module:
-            return None
-        sys.meta_path.remove(self)
+    With the shim on PYTHONPATH this is the registry its patches use too: a
+    fault registered here (at start-up, before the shim activates) runs
+    right after the module executes and before the patches wrap it, as the
+    shim would see a real failure. On stock control runs (no shim on the
+    path) the package is loaded from the checkout's drop-in folder by file,
+    without its sitecustomize: nothing activates a patch, and sys.path stays
+    as stock has it.
+    """
+    try:
+        import mlx_hotfix
+    except ImportError:
         import importlib.util
 
-        spec = importlib.util.find_spec(fullname)
-        loader = spec.loader
-        on_loaded = self.on_loaded
-
-        class Loader:
-            def create_module(self, spec):
-                return None
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                on_loaded(module)
-
-        spec.loader = Loader()
-        return spec
+        folder = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))), "sitecustomize", "mlx_hotfix")
+        spec = importlib.util.spec_from_file_location(
+            "mlx_hotfix", os.path.join(folder, "__init__.py"),
+            submodule_search_locations=[folder])
+        mlx_hotfix = importlib.util.module_from_spec(spec)
+        sys.modules["mlx_hotfix"] = mlx_hotfix
+        spec.loader.exec_module(mlx_hotfix)
+    mlx_hotfix._hooks.install()
+    return mlx_hotfix.when_imported
 
 
 def _trace_loads(server):
@@ -181,22 +190,53 @@ def _count_decode_steps(generate, path):
     owner.next = next
 
 
-if os.environ.get("MLX_TEST_TRACE_LOADS") == "1":
-    sys.meta_path.insert(0, _Finder("mlx_lm.server", _trace_loads))
-if os.environ.get("MLX_TEST_DECODE_COUNT_FILE"):
-    sys.meta_path.insert(0, _Finder(
-        "mlx_lm.generate",
-        lambda m: _count_decode_steps(m, os.environ["MLX_TEST_DECODE_COUNT_FILE"])))
+def _stamp_deaths(generate):
+    """Bench-only: one stderr line when an exception first leaves a step.
+
+    ``bench-death: <Type>: <message> t=<time.time()>``, then the exception goes
+    on unchanged: the moment the generation thread starts to die, for the
+    natural ``extend`` crash, where no injected fault announces it.
+    """
+    owner = generate.BatchGenerator
+    original = owner.next
+    stamped_once = [False]
+
+    def next(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except BaseException as exc:
+            if not stamped_once[0]:
+                stamped_once[0] = True
+                message = (str(exc).strip().splitlines() or ["(no message)"])[0][:200]
+                sys.stderr.write("bench-death: %s: %s t=%.6f\n"
+                                 % (exc.__class__.__name__, message, time.time()))
+                sys.stderr.flush()
+            raise
+
+    owner.next = next
+
 
 def _this_rank():
     wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
     return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
 
 
-if _SPEC and _this_rank():
-    _action, _kind, _where, _after = _parse(_SPEC)
-    sys.meta_path.insert(
-        0,
-        _Finder(_TARGETS[_where][0],
-                lambda m: _inject(m, _action, _kind, _where, _after)),
-    )
+def _install():
+    wanted = []  # (module name, hook)
+    if os.environ.get("MLX_TEST_TRACE_LOADS") == "1":
+        wanted.append(("mlx_lm.server", _trace_loads))
+    if os.environ.get("MLX_TEST_DECODE_COUNT_FILE"):
+        path = os.environ["MLX_TEST_DECODE_COUNT_FILE"]
+        wanted.append(("mlx_lm.generate", lambda m: _count_decode_steps(m, path)))
+    if os.environ.get("MLX_TEST_DEATH_STAMP") == "1":
+        wanted.append(("mlx_lm.generate", _stamp_deaths))
+    if _SPEC and _this_rank():
+        action, kind, where, after = _parse(_SPEC)
+        wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))
+    if wanted:
+        when_imported = _shim_hooks()
+        for name, hook in wanted:
+            when_imported(name, hook)
+
+
+_install()
