@@ -5,13 +5,17 @@ Stdlib only and cheap to import: the module imports nothing but ``os`` and
 the first message is sent. Under launchd, or when run by hand, NOTIFY_SOCKET
 is unset and every call is a no-op that returns False.
 
-Usage (from the shim)::
+How the shim uses it (``mlx_hotfix/heartbeat.py``, and only when
+NOTIFY_SOCKET is set)::
 
-    from mlx_hotfix.sdnotify import notifier
-    n = notifier()              # one shared instance per process
-    n.ready("model loaded")     # once the model is loaded
-    n.watchdog_ping()           # from every generation-loop iteration (rate-limited)
-    n.stopping()                # on a clean shutdown / before exit 70
+    n = SdNotifier.from_environ()   # one per process, made on first need
+    n.status("loading the model")   # while the model loads; the keeper pings
+    n.ready("serving")              # the loop's first pass, once listening
+    n.watchdog_ping()               # every loop pass (rate-limited inside)
+    n.status(why); n.stopping()     # just before the shim exits 70
+
+``notifier()`` returns one shared instance, for a manual check
+(``python sdnotify.py READY=1``) and for callers outside the shim.
 
 Nothing here ever raises: a failed send returns False.
 """
