@@ -48,10 +48,10 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-import requests  # noqa: E402
+import psutil
+import requests
 
-from common import (  # noqa: E402
+from common import (
     DEATHSTAMP_DIR,
     FAULTS_DIR,
     SHIM_DIR,
@@ -65,7 +65,7 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import (  # noqa: E402
+from procs import (
     COMPLETED,
     TOLD,
     Client,
@@ -75,8 +75,8 @@ from procs import (  # noqa: E402
     chat_body,
     post_chat,
 )
-from tests.support.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from tests.support.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
+from tests.support.server import base_env, free_port
 
 FAULT = "raise:resource:decode:2"
 FAULT_LINE = re.compile(r"mlx-test-fault: raise at (\w+) t=([0-9.]+)")
@@ -516,7 +516,7 @@ def main() -> int:
         st = case["stock"]
         new = st.get("new_completion") or {}
         new_text = "succeeded" if st.get("new_completion_ok") else (
-            f"no answer in 10 s" if new.get("outcome") == "waiting" else
+            "no answer in 10 s" if new.get("outcome") == "waiting" else
             f"failed: {new.get('status') or new.get('error')}")
         stock_clients = ", ".join(f"{c['name']}: {c['outcome']}"
                                   + (f" {c['status']}" if c["outcome"] == "error" else "")

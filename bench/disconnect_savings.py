@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FAULTS_DIR, ROOT, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir  # noqa: E402
-from tests.support.server import StockServer  # noqa: E402
+from common import FAULTS_DIR, ROOT, SHIM_DIR, VERSIONS, Figure, build_model, run_main, table, temp_dir
+from tests.support.server import StockServer
 
 ONE_SLOT = ["--decode-concurrency", "1", "--prompt-concurrency", "1"]
 LONG = 4000

@@ -136,7 +136,7 @@ def main() -> int:
         ratio = f"{grouped / single:.2f}x" if single and grouped else "n/a"
         lines.append(f"| {kind} | {single} s | {grouped} s | {ratio} |")
     lines += ["", f"One run each, mlx-lm {VERSION}, tiny llama on CPU; git {revision}, {stamp}; "
-              f"`{Path(sys.executable).relative_to(ROOT) if str(sys.executable).startswith(str(ROOT)) else sys.executable} "
+              f"`{Path(sys.executable).relative_to(ROOT) if str(sys.executable).startswith(str(ROOT)) else sys.executable} "  # noqa: E501
               "bench/group_recovery.py`", ""]
     args.results_dir.mkdir(parents=True, exist_ok=True)
     (args.results_dir / "group_recovery.json").write_text(

@@ -53,10 +53,10 @@ from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
-import requests  # noqa: E402
+import psutil
+import requests
 
-from common import (  # noqa: E402
+from common import (
     FAULTS_DIR,
     Figure,
     build_model,
@@ -68,11 +68,11 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import TimedProcess, TimedServer, post_chat  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from procs import TimedProcess, TimedServer, post_chat
+from tests.support.server import base_env, free_port
 
-from mlx_watchdog import defaults  # noqa: E402
-from mlx_watchdog.probe import Probe  # noqa: E402
+from mlx_watchdog import defaults
+from mlx_watchdog.probe import Probe
 
 VERSION = "0.32.2"
 FAULT = "hang:decode"
@@ -483,7 +483,7 @@ def main() -> int:
         [["`mlx-watchdog supervise`, defaults", fmt(sat["saturated_s"], " s", 0),
           f"**{sat['ours_restarts']}** (judged busy: {'yes' if sat['ours_busy_seen'] else 'no'})",
           f"{sat['completed']}/{sat['requests']}"],
-         [f"naive prober (same server, same time; counted, not done)",
+         ["naive prober (same server, same time; counted, not done)",
           fmt(sat["saturated_s"], " s", 0), f"**{sat['naive_would_restart']}** "
           f"({sat['naive_failed_probes']}/{sat['naive_probes']} probes failed)",
           "each restart would have killed the requests in flight"]])

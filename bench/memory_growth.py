@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     BENCH,
     MAIN_VERSION,
     VERSIONS,
@@ -44,7 +44,7 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from tests.support.server import base_env  # noqa: E402
+from tests.support.server import base_env
 
 PROBE = BENCH / "advance_growth_probe.py"
 MB = 1024 * 1024

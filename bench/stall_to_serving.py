@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     FAULTS_DIR,
     Figure,
     build_model,
@@ -52,15 +52,15 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from hang_to_serving import (  # noqa: E402
+from hang_to_serving import (
     LOAD_S,
     server_args,
     track_children,
     wait_event,
     wait_serving,
 )
-from procs import TimedProcess, post_chat  # noqa: E402
-from tests.support.server import base_env, free_port  # noqa: E402
+from procs import TimedProcess, post_chat
+from tests.support.server import base_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_LINE = re.compile(r"mlx-test-fault: (\w+) at (\w+) t=([0-9.]+)")

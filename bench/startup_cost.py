@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     SHIM_DIR,
     VERSIONS,
     Figure,
@@ -33,7 +33,7 @@ from common import (  # noqa: E402
     stats,
     table,
 )
-from tests.support.server import base_env  # noqa: E402
+from tests.support.server import base_env
 
 GOAL_MS = 3.0
 VARIANTS = ("stock", "shim", "off")

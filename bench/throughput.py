@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     VERSIONS,
     Figure,
     build_model,
@@ -38,7 +38,7 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from procs import TimedServer, post_chat  # noqa: E402
+from procs import TimedServer, post_chat
 
 GOAL = 0.99
 PROMPT = "Write a very long story about a fox and a dog."

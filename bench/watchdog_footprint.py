@@ -35,9 +35,9 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import psutil  # noqa: E402
+import psutil
 
-from common import (  # noqa: E402
+from common import (
     CLEANUP,
     ROOT,
     Figure,
@@ -49,7 +49,7 @@ from common import (  # noqa: E402
     table,
     temp_dir,
 )
-from tests.support.server import base_env, free_port  # noqa: E402
+from tests.support.server import base_env, free_port
 
 GOAL_RSS_MB = 40.0
 GOAL_CPU_PCT = 0.5

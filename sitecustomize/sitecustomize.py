@@ -30,7 +30,7 @@ def _say(message):
     try:
         sys.stderr.write("mlx-hotfix: %s\n" % message)
         sys.stderr.flush()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no stderr: stay quiet, start anyway
         pass
 
 
@@ -85,7 +85,7 @@ def _run_shadowed_sitecustomize(inert):
             if exc.name != "sitecustomize":
                 raise
             module = None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - as site.py does
         # As site.py's execsitecustomize: report an Exception and carry on; a
         # SystemExit or KeyboardInterrupt from the user's file goes through.
         if sys.flags.verbose:

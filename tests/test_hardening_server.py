@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.support.server import SHIM_DIR, base_env
+from tests.support.server import base_env
 from tests.test_sdnotify_server import FakeSystemd
 
 

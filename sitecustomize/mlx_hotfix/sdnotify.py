@@ -97,11 +97,11 @@ class SdNotifier:
             return False
         try:
             data = message.encode("utf-8") if isinstance(message, str) else bytes(message)
-        except Exception:
+        except Exception:  # noqa: BLE001 - nothing here ever raises
             return False
         # One retry with a fresh socket: a cached socket can go bad (e.g. the
         # manager re-executed), and sendto() re-resolves the address each time.
-        for attempt in (0, 1):
+        for _attempt in (0, 1):
             try:
                 sock = self._sock
                 if sock is None:
@@ -114,7 +114,7 @@ class SdNotifier:
                     self._sock = sock
                 sock.sendto(data, self._sockaddr)
                 return True
-            except Exception:
+            except Exception:  # noqa: BLE001 - nothing here ever raises
                 self._close()
         return False
 
@@ -139,7 +139,7 @@ class SdNotifier:
             return False
         try:
             now = self._clock()
-        except Exception:
+        except Exception:  # noqa: BLE001 - nothing here ever raises
             now = None
         if now is not None and self._last_ping is not None:
             if now - self._last_ping < self.min_interval:
@@ -163,7 +163,7 @@ class SdNotifier:
         if sock is not None:
             try:
                 sock.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - nothing here ever raises
                 pass
 
     def __repr__(self):

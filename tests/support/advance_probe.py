@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
-from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models import cache as cache_module  # noqa: E402
-from mlx_lm.models.cache import ArraysCache  # noqa: E402
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import cache as cache_module
+from mlx_lm.models.cache import ArraysCache
 
-from tests.support.tinymodel import decode_tokens  # noqa: E402
+from tests.support.tinymodel import decode_tokens
 
 
 def raw_field(cache, name):

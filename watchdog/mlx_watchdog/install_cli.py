@@ -334,7 +334,7 @@ def _apply_install(plan) -> None:
                     folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise sv.InstallError(f"cannot write {exc.filename or ''}: {exc.strerror}"
-                              + (" (use --output-dir, or run as root)" if inst.system else ""))
+                              + (" (use --output-dir, or run as root)" if inst.system else "")) from None
 
     for path in files:
         click.echo(f"wrote {path}")

@@ -153,5 +153,5 @@ def label_of(path: Path) -> Optional[str]:
     try:
         with open(path, "rb") as fh:
             return plistlib.load(fh).get("Label")
-    except Exception:
+    except Exception:  # noqa: BLE001 - not a readable plist: no label
         return None
