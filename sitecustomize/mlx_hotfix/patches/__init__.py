@@ -7,10 +7,10 @@ A patch module defines:
     VERSIONS  (first, tested_below): the mlx-lm releases it was tested on
     FIXED_IN  the release that fixed it upstream, or None
     KIND      "fail-safe" (observes or exits, changes no result: applies past
-              the tested releases whenever the shape fits) or "fix"
+              the tested releases whenever the shape fits) or "fix" (changes
+              what stock code computes: applies only where its check proves
+              the buggy code is still there verbatim, with _source.source_of)
     TEST      the test that reproduces the bug on stock and proves the fix
-    KIND      "fail-safe" (turns a failure into a clean exit or a signal) or
-              "fix" (changes what stock code computes)
     check_shape(module) -> None if the target looks as expected, else why not
     apply(module)
 
