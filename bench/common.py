@@ -34,12 +34,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
-RESULTS_DIR = BENCH / "results"
 from harness import FAULTS_DIR, TINYMODEL  # noqa: F401 - FAULTS_DIR: for the figures
 from harness import server as server_support
 from harness.procs import kill_group
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+RESULTS_DIR = BENCH / "results"
 
 VERSIONS = server_support.VERSIONS  # ("0.31.3", "0.32.2")
 MAIN_VERSION = "0.32.2"  # its venv has this package (editable) and requests/psutil/click

@@ -510,7 +510,7 @@ def main() -> int:
         st = case["stock"]
         new = st.get("new_completion") or {}
         new_text = "succeeded" if st.get("new_completion_ok") else (
-            f"no answer in 10 s" if new.get("outcome") == "waiting" else
+            "no answer in 10 s" if new.get("outcome") == "waiting" else
             f"failed: {new.get('status') or new.get('error')}")
         stock_clients = ", ".join(f"{c['name']}: {c['outcome']}"
                                   + (f" {c['status']}" if c["outcome"] == "error" else "")

@@ -482,7 +482,7 @@ def main() -> int:
         [["`mlx-watchdog supervise`, defaults", fmt(sat["saturated_s"], " s", 0),
           f"**{sat['ours_restarts']}** (judged busy: {'yes' if sat['ours_busy_seen'] else 'no'})",
           f"{sat['completed']}/{sat['requests']}"],
-         [f"naive prober (same server, same time; counted, not done)",
+         ["naive prober (same server, same time; counted, not done)",
           fmt(sat["saturated_s"], " s", 0), f"**{sat['naive_would_restart']}** "
           f"({sat['naive_failed_probes']}/{sat['naive_probes']} probes failed)",
           "each restart would have killed the requests in flight"]])

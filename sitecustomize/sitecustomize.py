@@ -11,7 +11,10 @@ its path, so it must cost nothing where it is not needed:
   ``import mlx_lm`` and the entry then removes itself;
 - it runs the sitecustomize it shadows (the next one on ``sys.path``)
   exactly once;
-- it never raises: a broken shim must not stop anything from starting.
+- it never raises: a broken shim must not stop anything from starting. The
+  sitecustomize it chains to is treated as site.py treats one: an Exception
+  is reported in site's words and start-up goes on; a ``sys.exit()`` in it
+  goes through, and Python stops as it would without the drop-in.
 
 ``MLX_HOTFIX=0`` makes it inert: ``sys.modules`` and ``sys.meta_path`` end up
 exactly as they would without the folder on the path.
@@ -23,15 +26,11 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OFF_VALUES = ("0", "false", "no", "off")
 
-# The sitecustomize this one shadows, once it has run (None if there is none).
-chained_sitecustomize = None
-
-
 def _say(message):
     try:
         sys.stderr.write("mlx-hotfix: %s\n" % message)
         sys.stderr.flush()
-    except Exception:
+    except Exception:  # noqa: BLE001 - no stderr: stay quiet, start anyway
         pass
 
 
@@ -78,18 +77,23 @@ def _run_shadowed_sitecustomize(inert):
     # While it runs, `import sitecustomize` inside it must find itself.
     sys.modules["sitecustomize"] = module
     try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # noqa: BLE001 - a user's file may raise anything
-        if inert:
-            # The same line site.py prints for a failing sitecustomize.
+        try:
+            spec.loader.exec_module(module)
+        except ImportError as exc:
+            # What site.py takes for "there is no sitecustomize" (another
+            # drop-in that is switched off, say): silent, as site is.
+            if exc.name != "sitecustomize":
+                raise
+            module = None
+    except Exception as exc:  # noqa: BLE001 - as site.py does
+        # As site.py's execsitecustomize: report an Exception and carry on; a
+        # SystemExit or KeyboardInterrupt from the user's file goes through.
+        if sys.flags.verbose:
+            sys.excepthook(*sys.exc_info())
+        else:
             sys.stderr.write(
                 "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n"
                 "%s: %s\n" % (exc.__class__.__name__, exc)
-            )
-        else:
-            _say(
-                "the sitecustomize at %s raised %s: %s; carrying on"
-                % (spec.origin, exc.__class__.__name__, exc)
             )
         module = None
     finally:
@@ -127,7 +131,6 @@ class _MlxLmImportTrigger:
 
 
 def _bootstrap():
-    global chained_sitecustomize
     inert = os.environ.get("MLX_HOTFIX", "1").strip().lower() in _OFF_VALUES
     if inert:
         chained = _run_shadowed_sitecustomize(inert=True)
@@ -142,7 +145,7 @@ def _bootstrap():
         sys.meta_path.insert(0, _MlxLmImportTrigger())
     except Exception as exc:  # noqa: BLE001
         _say("disabled: could not install the import hook (%s)" % exc)
-    chained_sitecustomize = _run_shadowed_sitecustomize(inert=False)
+    _run_shadowed_sitecustomize(inert=False)
 
 
 _bootstrap()

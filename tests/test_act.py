@@ -354,7 +354,7 @@ case "$*" in
     exit 0;;
 esac
 exit 0
-"""
+"""  # noqa: E501 - systemctl's own words, verbatim
 
 
 def test_systemd_restart_survives_a_unit_that_hit_its_start_limit(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ Faults strike rank 1 only (MLX_TEST_FAULT_RANK=1). No timing assertions.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys

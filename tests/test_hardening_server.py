@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from harness.server import SHIM_DIR, base_env
+from harness.server import base_env
 from tests.test_sdnotify_server import FakeSystemd
 
 

@@ -77,7 +77,8 @@ def test_with_the_patch_on_both_requests_and_later_ones_complete_correctly(serve
 def test_stock_032_has_the_upstream_fix_and_the_patch_stays_out(servers, tiny_llama):
     server = servers("0.32.2", tiny_llama, args=EXTEND_CRASH_ARGS)
     warm_up_with_penalty(server)
-    assert "extend skipped: PromptProcessingBatch.extend no longer pads logits processors with None (fixed upstream in 0.32.0)" in server.hotfix_lines()[0]
+    assert ("extend skipped: PromptProcessingBatch.extend no longer pads logits processors with None "
+            "(fixed upstream in 0.32.0)") in server.hotfix_lines()[0]
     a, b = send_extend_crash_pair(server, timeout=120)
     assert a.join(130) and b.join(130)
     assert (a.status, b.status) == (200, 200)

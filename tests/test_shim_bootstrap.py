@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -68,6 +67,8 @@ def user_site(tmp_path):
             log.write("ran\\n")
         if os.environ.get("USER_SITE_RAISES"):
             raise ValueError("boom from the user's sitecustomize")
+        if os.environ.get("USER_SITE_EXITS"):
+            sys.exit(int(os.environ["USER_SITE_EXITS"]))
         USER_MARK = True
     """))
     return folder
@@ -105,6 +106,26 @@ def test_a_raising_user_sitecustomize_is_reported_and_start_goes_on(envs, tmp_pa
     assert log.read_text() == "ran\n"
     assert "ValueError: boom from the user's sitecustomize" in result.stderr
     assert result.stderr.count("boom") == 1
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_user_sitecustomize_that_exits_still_exits(envs, tmp_path, user_site, switch):
+    # site.py lets SystemExit out of a sitecustomize (Python then refuses to
+    # start); with the drop-in chaining that file, the same must happen.
+    def started(paths, log):
+        return run_python(
+            "0.32.2", "print('started')", shim=False,
+            env={"PYTHONPATH": os.pathsep.join(map(str, paths)), "USER_SITE_LOG": str(log),
+                 "USER_SITE_EXITS": "3", "MLX_HOTFIX": switch},
+        )
+
+    stock = started([user_site], tmp_path / "stock.log")
+    chained = started([SHIM_DIR, user_site], tmp_path / "chained.log")
+    assert (tmp_path / "chained.log").read_text() == "ran\n"
+    assert stock.returncode != 0 and "started" not in stock.stdout
+    assert chained.returncode == stock.returncode, chained.stderr
+    assert "started" not in chained.stdout
+    assert "SystemExit: 3" in chained.stderr
 
 
 _NEW_PARTS = "; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied"
@@ -198,6 +219,30 @@ def test_hooks_fire_once_and_restore_the_loader(envs):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["SourceFileLoader", "SourceFileLoader",
                                      "SourceFileLoader", "['mlx_lm.server']"]
+
+
+def test_the_module_body_runs_with_the_real_loader(envs, tmp_path):
+    # The wrapper is for the import machinery only: the module's own code
+    # (importlib.resources, pkgutil, a reload) must see the real loader.
+    (tmp_path / "watched.py").write_text(
+        "SEEN = (type(__loader__).__name__, type(__spec__.loader).__name__)\n")
+    code = textwrap.dedent("""
+        import mlx_hotfix
+        from mlx_hotfix import _hooks
+        _hooks.install()
+        calls = []
+        mlx_hotfix.when_imported("watched", lambda m: calls.append(m.SEEN))
+        import watched, importlib
+        importlib.reload(watched)
+        import watched
+        print(watched.SEEN, type(watched.__loader__).__name__, calls)
+    """)
+    result = run_python("0.32.2", code,
+                        env={"PYTHONPATH": os.pathsep.join([str(SHIM_DIR), str(tmp_path)])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "('SourceFileLoader', 'SourceFileLoader') SourceFileLoader "
+        "[('SourceFileLoader', 'SourceFileLoader')]")
 
 
 def test_shim_path_of_a_pip_installed_copy_works_the_same_way(envs, tmp_path):

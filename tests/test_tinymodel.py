@@ -72,7 +72,10 @@ def test_builds_are_deterministic(tmp_path):
     a = tinymodel.build_llama(tmp_path / "a", seed=7)
     b = tinymodel.build_llama(tmp_path / "b", seed=7)
     c = tinymodel.build_llama(tmp_path / "c", seed=8)
-    read = lambda d, f: (d / f).read_bytes()
+
+    def read(d, f):
+        return (d / f).read_bytes()
+
     assert read(a, "model.safetensors") == read(b, "model.safetensors")
     assert read(a, "tokenizer.json") == read(b, "tokenizer.json")
     assert read(a, "model.safetensors") != read(c, "model.safetensors")

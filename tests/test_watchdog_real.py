@@ -200,13 +200,13 @@ def test_the_stock_031_zombie_is_judged_wedged_and_restarted(watchdogs, tiny_lla
     pairs = []
     for attempt in range(5):  # it depends on timing: send the pair again if it missed
         prompt = long_prompt(attempt)
-        a = BackgroundRequest(lambda: chat(url, prompt, max_tokens=20, timeout=30), name="A")
+        a = BackgroundRequest(lambda prompt=prompt: chat(url, prompt, max_tokens=20, timeout=30), name="A")
         time.sleep(0.05)
-        b = BackgroundRequest(lambda: chat(url, prompt + " and then some more", max_tokens=20,
+        b = BackgroundRequest(lambda prompt=prompt: chat(url, prompt + " and then some more", max_tokens=20,
                                            timeout=30, repetition_penalty=PENALTY), name="B")
         pairs.append((a, b))
         sup.wait_for(
-            lambda: "TypeError: 'NoneType' object is not iterable" in sup.text()
+            lambda a=a, b=b: "TypeError: 'NoneType' object is not iterable" in sup.text()
             or (a.finished_at and b.finished_at), 60, "the pair to crash or complete")
         if "TypeError" in sup.text():
             break
@@ -280,7 +280,7 @@ def test_a_saturated_server_is_never_restarted(watchdogs, tiny_llama, shim):
     # About 25 s of queued work, one request at a time: every probe waits
     # behind it far longer than its 2 s timeout.
     max_tokens = int(min(max(decode_rate(url) * 25 / 4, 1000), 8000))
-    long = [BackgroundRequest(lambda: chat(url, f"long story {i}", max_tokens=max_tokens,
+    long = [BackgroundRequest(lambda i=i: chat(url, f"long story {i}", max_tokens=max_tokens,
                                            timeout=600), name=f"long-{i}") for i in range(4)]
     for request in long:
         assert request.join(600), f"{request} never returned\n{sup.tail()}"
@@ -353,11 +353,11 @@ def test_garbage_errors_and_slow_loris_are_restarted_with_a_clear_reason(watchdo
             for name, fake in fakes.items()})
         watch = watchdogs(["watch", "--config", str(config)])
         for name in fakes:
-            watch.wait_for(lambda: recorded(tmp_path / name), 60, f"{name} restarted")
+            watch.wait_for(lambda name=name: recorded(tmp_path / name), 60, f"{name} restarted")
         for name, (cause, reason) in expected.items():
             restart = next(e for e in restart_events(watch) if e["instance"] == name)
             assert restart["cause"] == cause and reason in restart["message"], restart
-            last = watch.wait_for(lambda: watch.record(name).get("last_restart"), 30,
+            last = watch.wait_for(lambda name=name: watch.record(name).get("last_restart"), 30,
                                   f"{name}'s restart in the state file")
             assert last["cause"] == cause
         slow = next(e for e in restart_events(watch) if e["instance"] == "slowloris")

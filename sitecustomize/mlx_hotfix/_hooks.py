@@ -3,11 +3,11 @@
 A hook registered with ``when_imported(name, hook)`` runs once, right after
 the module ``name`` has executed, or at once if it already has. The finder
 only looks at the names it has hooks for; for those it finds the real spec
-through the rest of ``sys.meta_path`` and wraps the loader. After the module
-executes, the original loader is put back on the module and its spec, so
-nothing downstream (inspect, pickle, reload) sees the wrapper. No lock is
-held while a hook runs, and a hook that raises is reported, never re-raised
-into the import.
+through the rest of ``sys.meta_path`` and wraps the loader. Before the
+module body runs, the original loader is put back on the module and its
+spec, so neither the body nor anything downstream (inspect, pickle, reload,
+importlib.resources) ever sees the wrapper. No lock is held while a hook
+runs, and a hook that raises is reported, never re-raised into the import.
 """
 
 import sys
@@ -56,7 +56,7 @@ def _is_initializing(module):
 
 
 class _ChainedLoader:
-    """Wraps a loader: runs the module, restores the loader, fires hooks."""
+    """Wraps a loader: restores the real one, runs the module, fires hooks."""
 
     def __init__(self, loader, name):
         self._loader = loader
@@ -70,14 +70,21 @@ class _ChainedLoader:
         create = getattr(self._loader, "create_module", None)
         return create(spec) if create is not None else None
 
+    def _restore_loader(self, module):
+        # Only where the import machinery put this wrapper (or nothing): a
+        # loader the module set for itself is left alone, as wrapt does.
+        if getattr(module, "__loader__", None) in (None, self):
+            try:
+                module.__loader__ = self._loader
+            except AttributeError:
+                pass
+        spec = getattr(module, "__spec__", None)
+        if spec is not None and getattr(spec, "loader", None) is self:
+            spec.loader = self._loader
+
     def exec_module(self, module):
-        try:
-            self._loader.exec_module(module)
-        finally:
-            module.__loader__ = self._loader
-            spec = getattr(module, "__spec__", None)
-            if spec is not None and spec.loader is self:
-                spec.loader = self._loader
+        self._restore_loader(module)
+        self._loader.exec_module(module)
         _fire(self._name, module)
 
 

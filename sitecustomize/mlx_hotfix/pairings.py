@@ -31,7 +31,8 @@ YANKED = {
 }
 
 
-def _parse(text):
+def parse_version(text):
+    """'0.31.3' -> (0, 31, 3); tolerant of suffixes like '0.32.0.dev1'."""
     parts = []
     for piece in str(text).split(".")[:3]:
         digits = ""
@@ -46,8 +47,8 @@ def _parse(text):
 
 
 def _within(version, low, high):
-    v = _parse(version)
-    return (low is None or v >= _parse(low)) and (high is None or v < _parse(high))
+    v = parse_version(version)
+    return (low is None or v >= parse_version(low)) and (high is None or v < parse_version(high))
 
 
 def installed_version(distribution):
@@ -77,7 +78,7 @@ def problems(mlx_lm, mlx=None, transformers=None):
         if _within(mlx_lm, low, high) and _within(other, bad_low, bad_high):
             found.append("mlx-lm %s with %s %s: %s; fix: %s"
                          % (mlx_lm, package, other, what, fix))
-    reason = YANKED.get(".".join(str(n) for n in _parse(mlx_lm)))
+    reason = YANKED.get(".".join(str(n) for n in parse_version(mlx_lm)))
     if reason:
         found.append('mlx-lm %s was yanked from PyPI: "%s"; use another release'
                      % (mlx_lm, reason))

@@ -5,13 +5,17 @@ Stdlib only and cheap to import: the module imports nothing but ``os`` and
 the first message is sent. Under launchd, or when run by hand, NOTIFY_SOCKET
 is unset and every call is a no-op that returns False.
 
-Usage (from the shim)::
+How the shim uses it (``mlx_hotfix/heartbeat.py``, and only when
+NOTIFY_SOCKET is set)::
 
-    from mlx_hotfix.sdnotify import notifier
-    n = notifier()              # one shared instance per process
-    n.ready("model loaded")     # once the model is loaded
-    n.watchdog_ping()           # from every generation-loop iteration (rate-limited)
-    n.stopping()                # on a clean shutdown / before exit 70
+    n = SdNotifier.from_environ()   # one per process, made on first need
+    n.status("loading the model")   # while the model loads; the keeper pings
+    n.ready("serving")              # the loop's first pass, once listening
+    n.watchdog_ping()               # every loop pass (rate-limited inside)
+    n.status(why); n.stopping()     # just before the shim exits 70
+
+``notifier()`` returns one shared instance, for a manual check
+(``python sdnotify.py READY=1``) and for callers outside the shim.
 
 Nothing here ever raises: a failed send returns False.
 """
@@ -93,11 +97,11 @@ class SdNotifier:
             return False
         try:
             data = message.encode("utf-8") if isinstance(message, str) else bytes(message)
-        except Exception:
+        except Exception:  # noqa: BLE001 - nothing here ever raises
             return False
         # One retry with a fresh socket: a cached socket can go bad (e.g. the
         # manager re-executed), and sendto() re-resolves the address each time.
-        for attempt in (0, 1):
+        for _attempt in (0, 1):
             try:
                 sock = self._sock
                 if sock is None:
@@ -110,7 +114,7 @@ class SdNotifier:
                     self._sock = sock
                 sock.sendto(data, self._sockaddr)
                 return True
-            except Exception:
+            except Exception:  # noqa: BLE001 - nothing here ever raises
                 self._close()
         return False
 
@@ -135,7 +139,7 @@ class SdNotifier:
             return False
         try:
             now = self._clock()
-        except Exception:
+        except Exception:  # noqa: BLE001 - nothing here ever raises
             now = None
         if now is not None and self._last_ping is not None:
             if now - self._last_ping < self.min_interval:
@@ -159,7 +163,7 @@ class SdNotifier:
         if sock is not None:
             try:
                 sock.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - nothing here ever raises
                 pass
 
     def __repr__(self):

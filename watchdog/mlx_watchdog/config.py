@@ -154,7 +154,7 @@ def _cacert(value: Any) -> str:
         make_tls_context(path)
     except OSError as exc:
         raise _Bad(f"a readable PEM file of CA certificates ({exc.strerror or exc})") from None
-    except Exception as exc:  # ssl.SSLError: not PEM certificates
+    except Exception as exc:  # noqa: BLE001 - ssl.SSLError: not PEM certificates
         raise _Bad(f"a PEM file of CA certificates ({exc})") from None
     return path
 

@@ -106,7 +106,7 @@ class Probe:
                 fields = self._exchange(deadline)
         except _Failed as failure:
             fields = failure.fields
-        except Exception as exc:  # never raise: a probe failure is an observation
+        except Exception as exc:  # noqa: BLE001 - never raise: a probe failure is an observation
             fields = dict(status=UNHEALTHY, reason=_short(f"probe error: {exc!r}"))
         return ProbeResult(latency_s=round(time.monotonic() - started, 4), **fields)
 
@@ -160,9 +160,9 @@ class Probe:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
                     raise self._timed_out() from None
                 if isinstance(exc, ssl.SSLError):
-                    raise _Failed(UNHEALTHY, f"TLS handshake with {target.netloc} failed: {exc}")
+                    raise _Failed(UNHEALTHY, f"TLS handshake with {target.netloc} failed: {exc}") from None
                 # refused, unknown host, no route
-                raise _Failed(UNREACHABLE, f"cannot connect to {target.netloc}: {_oserror(exc)}")
+                raise _Failed(UNREACHABLE, f"cannot connect to {target.netloc}: {_oserror(exc)}") from None
             try:
                 conn.request(method, target.path + path, body=body, headers=headers)
                 response = conn.getresponse()
@@ -170,7 +170,7 @@ class Probe:
             except (OSError, http.client.HTTPException) as exc:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
                     raise self._timed_out() from None
-                raise _Failed(UNHEALTHY, f"{path}: connection broken: {_oserror(exc)}")
+                raise _Failed(UNHEALTHY, f"{path}: connection broken: {_oserror(exc)}") from None
         finally:
             conn.close()
         if deadline.expired:  # the body may have been cut short by the deadline

@@ -62,7 +62,7 @@ def _check_cacert(ctx: click.Context, param: click.Parameter, value: Optional[st
         make_tls_context(value)
     except OSError as exc:
         raise click.BadParameter(f"{value}: {exc.strerror or exc}", ctx=ctx, param=param) from None
-    except Exception as exc:  # ssl.SSLError: not PEM certificates
+    except Exception as exc:  # noqa: BLE001 - ssl.SSLError: not PEM certificates
         raise click.BadParameter(
             f"{value}: not a PEM file of CA certificates ({exc})", ctx=ctx, param=param
         ) from None

@@ -176,7 +176,7 @@ def format_status(
         try:
             rows.append((shown, state, tuple(printable(c) for c in _row(record, state, now))))
             lines = _details(shown, record, state, now, pid_alive)
-        except Exception as exc:  # a malformed record: say so, go on
+        except Exception as exc:  # noqa: BLE001 - a malformed record: say so, go on
             rows.append((shown, "?", (f"malformed record ({type(exc).__name__})", "", "", "", "")))
             continue
         if lines:

@@ -409,7 +409,7 @@ class Supervisor:
                 began = self._clock()
                 try:
                     self.tick()
-                except Exception:  # a bug in one tick must not end supervision
+                except Exception:  # noqa: BLE001 - a bug in one tick must not end supervision
                     self.events.exception("tick-error", "a tick failed; supervising goes on")
                 # While waiting to respawn, look again soon: the backoff may be short.
                 interval = self.interval_s if self.child is not None else min(self.interval_s, 1.0)

@@ -176,6 +176,6 @@ class Watcher:
             began = time.monotonic()
             try:
                 monitor.tick()
-            except Exception:  # a bug in one monitor must not silence the others
+            except Exception:  # noqa: BLE001 - a bug in one monitor must not silence the others
                 monitor.events.exception("error", "tick failed")
             self._stop.wait(max(0.0, interval - (time.monotonic() - began)))

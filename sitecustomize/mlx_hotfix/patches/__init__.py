@@ -7,10 +7,10 @@ A patch module defines:
     VERSIONS  (first, tested_below): the mlx-lm releases it was tested on
     FIXED_IN  the release that fixed it upstream, or None
     KIND      "fail-safe" (observes or exits, changes no result: applies past
-              the tested releases whenever the shape fits) or "fix"
+              the tested releases whenever the shape fits) or "fix" (changes
+              what stock code computes: applies only where its check proves
+              the buggy code is still there verbatim, with _source.source_of)
     TEST      the test that reproduces the bug on stock and proves the fix
-    KIND      "fail-safe" (turns a failure into a clean exit or a signal) or
-              "fix" (changes what stock code computes)
     check_shape(module) -> None if the target looks as expected, else why not
     apply(module)
 
@@ -28,6 +28,7 @@ The shape decides, the version only labels (evidence: every release from
 import sys
 
 from .. import _hooks, config, log
+from ..pairings import parse_version  # one parser for the gates and the pairings
 from . import advance, disconnect, exit_on_death, extend, heartbeat, recover
 
 PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect)
@@ -36,21 +37,6 @@ SERVER_MODULE = "mlx_lm.server"
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
 status = {}
 _reported = False
-
-
-def parse_version(text):
-    """'0.31.3' -> (0, 31, 3); tolerant of suffixes like '0.32.0.dev1'."""
-    parts = []
-    for piece in str(text).split(".")[:3]:
-        digits = ""
-        for char in piece:
-            if not char.isdigit():
-                break
-            digits += char
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 3:
-        parts.append(0)
-    return tuple(parts)
 
 
 def mlx_lm_version():

@@ -24,6 +24,7 @@ state save/restore; the stale graph stays one node deep).
 """
 
 from .._wrap import _MARK, _wrap
+from ._source import source_of
 
 NAME = "advance"
 TARGET = "mlx_lm.models.cache"
@@ -107,13 +108,10 @@ def check_shape(cache):
     for field in FIELDS:
         if field in vars(arrays_cache):
             return "ArraysCache.%s is already a class attribute" % field
-    import inspect
-
-    try:
-        body = _normalise(inspect.getsource(advance))
-    except (OSError, TypeError):
+    source = source_of(advance)
+    if source is None:
         return "cannot read the source of ArraysCache.advance"
-    if body != _STOCK_ADVANCE_BODY:
+    if _normalise(source) != _STOCK_ADVANCE_BODY:
         return "ArraysCache.advance is no longer the lazy '-=' (fixed upstream?)"
     return None
 

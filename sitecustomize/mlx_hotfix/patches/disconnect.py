@@ -33,6 +33,7 @@ import threading
 from .. import heartbeat, log
 from .._wrap import _MARK
 from .._wrap import _wrap as _wrap_as
+from ._source import source_of
 
 NAME = "disconnect"
 TARGET = "mlx_lm.server"
@@ -249,7 +250,6 @@ def _wrap(function, wrapper):
 
 
 def check_shape(server):
-    import inspect
     import queue
 
     handler = getattr(server, "APIHandler", None)
@@ -267,10 +267,9 @@ def check_shape(server):
         return "already applied"
     if not (isinstance(server.Queue, type) and issubclass(server.Queue, queue.Queue)):
         return "mlx_lm.server does not use queue.Queue for responses"
-    try:
-        completion = inspect.getsource(inspect.unwrap(handler.handle_completion))
-        post = inspect.getsource(inspect.unwrap(handler.do_POST))
-    except (OSError, TypeError):
+    completion = source_of(handler.handle_completion)
+    post = source_of(handler.do_POST)
+    if completion is None or post is None:
         return "cannot read the source of APIHandler"
     # The bug: only the streaming path writes (and so notices) before the end;
     # the stop is the context's, as the streaming path uses it.

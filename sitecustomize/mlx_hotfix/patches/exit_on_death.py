@@ -47,6 +47,7 @@ from .. import config, heartbeat, log, reports
 from .._wrap import _MARK, wrapped_by
 from .._wrap import _wrap as _wrap_as
 from . import loop_shapes
+from ._http import send_json
 
 NAME = "exit"
 TARGET = "mlx_lm.server"
@@ -299,7 +300,7 @@ def _wrap_handle_completion(original):
 def _wrap_health(original):
     def handle_health_check(self, *args, **kwargs):
         if lifeline.dead:
-            return _send_json(self, 503, {"status": "unavailable", "error": error_message()})
+            return send_json(self, 503, {"status": "unavailable", "error": error_message()})
         return original(self, *args, **kwargs)
 
     return _wrap(original, handle_health_check)
@@ -321,28 +322,9 @@ def answer_dead(handler):
             handler.wfile.flush()
         else:
             handler._headers_buffer = []  # drop a buffered, unsent 200
-            _send_json(handler, 503, body)
+            send_json(handler, 503, body, close=True)
     except (OSError, ValueError):
         pass  # the client left
-    handler.close_connection = True
-
-
-def _send_json(handler, status, body):
-    data = json.dumps(body).encode()
-    handler.send_response(status)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.send_header("Retry-After", "5")
-    handler.send_header("Connection", "close")
-    cors = getattr(handler, "_set_cors_headers", None)
-    if cors is not None:
-        try:
-            cors()
-        except Exception:  # noqa: BLE001 - CORS settings may be missing
-            pass
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
     handler.close_connection = True
 
 

@@ -19,6 +19,7 @@ server, off and on).
 """
 
 from .._wrap import _MARK, _wrap
+from ._source import flat, source_of
 
 NAME = "extend"
 TARGET = "mlx_lm.generate"
@@ -46,14 +47,10 @@ def check_shape(generate):
         return "mlx_lm.generate.PromptProcessingBatch.extend is missing"
     if getattr(extend, _MARK, False):
         return "already applied"
-    import inspect
-
-    try:
-        source = inspect.getsource(extend)
-    except (OSError, TypeError):
+    source = source_of(extend)
+    if source is None:
         return "cannot read the source of PromptProcessingBatch.extend"
-    flat = " ".join(source.split())
-    if not all(statement in flat for statement in _BUGGY_STATEMENTS):
+    if not all(statement in flat(source) for statement in _BUGGY_STATEMENTS):
         return "PromptProcessingBatch.extend no longer pads logits processors with None"
     return None
 

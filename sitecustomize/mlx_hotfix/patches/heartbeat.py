@@ -29,7 +29,6 @@ Test: tests/test_shim_stall.py (livelock, /health, sd_notify with exit off),
 tests/test_shim_heartbeat.py, tests/test_sdnotify_server.py.
 """
 
-import json
 import os
 import queue
 import sys
@@ -38,6 +37,7 @@ import threading
 from .. import heartbeat
 from .._wrap import _wrap, wrapped_by
 from . import loop_shapes
+from ._http import send_json
 
 NAME = "heartbeat"
 KIND = "fail-safe"
@@ -165,25 +165,9 @@ def _wrap_health(original):
         if _generation_dead(self):
             answer = 503, {"status": "unavailable", "error": "generation thread died"}
         status, body = answer
-        _send_json(self, status, body)
+        send_json(self, status, body)
 
     return _wrap(original, handle_health_check, NAME)
-
-
-def _send_json(handler, status, body):
-    data = json.dumps(body).encode()
-    set_headers = getattr(handler, "_set_completion_headers", None)
-    if set_headers is not None:
-        set_headers(status)  # stock: status line, JSON type, CORS
-    else:
-        handler.send_response(status)
-        handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    if status == 503:
-        handler.send_header("Retry-After", "5")
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
 
 
 def _wrap_server_activate(original):

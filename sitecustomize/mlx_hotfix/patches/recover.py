@@ -38,6 +38,7 @@ import time
 from .. import config, heartbeat, log
 from .._wrap import wrapped_by
 from . import exit_on_death
+from ._source import source_of
 
 NAME = "recover"
 TARGET = "mlx_lm.server"
@@ -262,11 +263,8 @@ def check_shape(server):
         return "needs the exit part (it answers the clients and calls this part)"
     if getattr(server, "LRUPromptCache", None) is None:
         return "mlx_lm.server has no LRUPromptCache"
-    import inspect
-
-    try:
-        source = inspect.getsource(generator.__init__)
-    except (OSError, TypeError):
+    source = source_of(generator.__init__)
+    if source is None:
         return "cannot read the source of ResponseGenerator.__init__"
     for needed in _INIT_NEEDS:
         if needed not in source:

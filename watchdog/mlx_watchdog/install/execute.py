@@ -56,7 +56,8 @@ def apply(plan: Plan) -> None:
                     folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InstallError(f"cannot write {exc.filename or ''}: {exc.strerror}"
-                           + (" (use --output-dir, or run as root)" if inst.system else ""))
+                           + (" (use --output-dir, or run as root)" if inst.system else "")
+                           ) from None
 
     for path in files:
         click.echo(f"wrote {path}")
