@@ -90,4 +90,4 @@ def test_the_gate_reads_the_buggy_line_from_the_installed_source(envs):
             "print(e.check_shape(sys.modules['mlx_lm.generate']))")
     assert run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "extend"}).stdout.strip() == "None"
     assert run_python("0.32.2", code).stdout.strip() == (
-        "PromptProcessingBatch.extend does not pad with None here")
+        "PromptProcessingBatch.extend no longer pads logits processors with None")

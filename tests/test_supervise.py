@@ -551,3 +551,21 @@ def test_cli_builds_its_monitor_from_the_same_options_as_watch(tmp_path, monkeyp
     assert monitor.judge.config.cpu_busy_fraction == 0.5 and monitor.judge.config.failures == 4
     assert monitor.probe.check_health and monitor.url == "http://127.0.0.1:8123"
     assert "--cpu-busy" in CliRunner().invoke(main, ["supervise", "--help"]).output
+
+
+def test_the_listener_check_is_on_by_default_and_can_be_turned_off(tmp_path, monkeypatch):
+    # On: a probe counts only when the child holds the port (issue 9). Off: for
+    # a port held by something the child does not own (a container's proxy).
+    from click.testing import CliRunner
+
+    from mlx_watchdog.cli import main
+
+    built = []
+    monkeypatch.setattr(Supervisor, "run", lambda self: built.append(self.monitor) or 0)
+    base = ["supervise", "--no-shim", "--state-file", str(tmp_path / "s.json")]
+    command = ["--", "mlx_lm.server", "--port", "8123"]
+    for flags in ([], ["--no-listener-check"]):
+        result = CliRunner().invoke(main, base + flags + command)
+        assert result.exit_code == 0, result.output
+    on, off = built
+    assert on.listener is not None and off.listener is None

@@ -472,7 +472,8 @@ def test_the_api_key_is_sent_and_never_shown(watchdogs, tmp_path):
     try:
         metrics_ports = {way: free_port() for way in keys}
         common = ["--probe-interval", "0.3", "--probe-timeout", "1", "--failures", "2",
-                  "--boot-grace", "0", "--stop-grace", "3"]
+                  "--boot-grace", "0", "--stop-grace", "3",
+                  "--no-listener-check"]  # the fake server is not the child's
         runs = {
             "flag": watchdogs(["supervise", "--no-shim", *common, "--api-key", keys["flag"],
                                "--url", fakes["flag"].url,

@@ -159,6 +159,15 @@ def _daemon_options(f: Callable) -> Callable:
     "generation thread, no heartbeat).",
 )
 @click.option(
+    "--listener-check/--no-listener-check",
+    default=True,
+    show_default=True,
+    help="Count a probe only when the child (or one of its descendants) holds the URL's "
+    "listening port, so a server of someone else's on that port is never taken for ours. "
+    "Turn off when the port is held by something the child does not own (a container "
+    "runtime's proxy, say).",
+)
+@click.option(
     "--remote-shim-path",
     default=None,
     help="mlx.launch groups: the hotfix shim folder on the remote hosts, passed to their "
@@ -187,6 +196,7 @@ def supervise_command(
     report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
+    listener_check: bool,
     remote_shim_path: Optional[str],
     model: str,
     api_key: Optional[str],
@@ -257,6 +267,7 @@ def supervise_command(
             env=env,
             heartbeat_file=Path(private) / "heartbeat.json",
             shim=not no_shim,
+            listener_check=listener_check,
             metrics=metrics,
             state=state,
         )

@@ -228,6 +228,7 @@ class Supervisor:
         env: Optional[Mapping[str, str]] = None,
         heartbeat_file: "Optional[str | os.PathLike[str]]" = None,
         shim: bool = True,  # the child runs with the hotfix shim (for messages)
+        listener_check: bool = True,  # the child must hold the URL's listening port
         stacks_wait_s: float = defaults.STACKS_WAIT_S,
         spawn: Callable[[List[str], Mapping[str, str]], Child] = spawn,
         process: Optional[ProcessEvidence] = None,  # tests: CPU evidence instead of psutil's
@@ -272,7 +273,7 @@ class Supervisor:
             process=ChildProcess(self, process),
             owner=self.child_pid,
             # Evidence must be our child's: is it the one listening on the URL?
-            listener=ListenerCheck(instance.url, self.child_pid),
+            listener=ListenerCheck(instance.url, self.child_pid) if listener_check else None,
             probe=probe,
             policy=policy,
             metrics=metrics,
