@@ -64,6 +64,7 @@ _last_delivery_mono = None
 _progress_mono = time.monotonic()  # last delivery, first request in flight, load end
 _beat_mono = time.monotonic()  # last loop turn
 _stalled = False
+_down = False  # the generation loop died; set by stop(), cleared by serving_again()
 
 
 def _systemd():
@@ -253,8 +254,8 @@ def _announce(stalled, now):
 
 def health():
     """(status, body) for /health, or None to let the server answer."""
-    if _stopped:
-        return None
+    if _stopped or _down:
+        return None  # the loop died: the exit part answers (503) until serving_again()
     now = time.monotonic()
     current = LOADING if (not _loop_running or _loading or not listening()) else (
         STALLED if _check_stall(now) else SERVING)
@@ -419,8 +420,16 @@ def _keep(epoch):
 
 def stop():
     """The loop is gone: no more beats, whatever still calls in."""
-    global _stopped
+    global _stopped, _down
     _stopped = True
+    _down = True
+
+
+def serving_again():
+    """After resume(): the fresh loop runs and requests are taken again, so
+    /health may say so (the recover part calls this last)."""
+    global _down
+    _down = False
 
 
 def notify_stopping(text):

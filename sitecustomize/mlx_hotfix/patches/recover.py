@@ -129,6 +129,7 @@ class Recovery:
                 raise RuntimeError("the fresh generation loop did not start")
             time.sleep(0.02)
         exit_on_death.lifeline.revive()
+        heartbeat.serving_again()  # last: /health says 200 only once requests are taken
 
     def _drop_state(self, generator, exc):
         import gc
