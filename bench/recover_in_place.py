@@ -97,9 +97,12 @@ def chat(url, max_tokens=1, timeout=(0.5, 30)):
 
 
 def serving_at(url, deadline):
+    """When a one-token completion is first answered 200. One request at a
+    time, with a read timeout longer than any answer: a poll that gave up
+    would leave its request queued, and the queue would delay the next."""
     while time.time() < deadline:
         try:
-            r = chat(url)
+            r = chat(url, timeout=(0.5, max(1.0, deadline - time.time())))
             if r.status_code == 200 and r.json().get("choices"):
                 return time.time()
         except (requests.RequestException, ValueError):
