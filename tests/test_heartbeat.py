@@ -113,3 +113,15 @@ def test_clock_skew_never_gives_a_negative_age(tmp_path):
     path = tmp_path / "hb"
     write(path, {"pid": 1, "beats": 5, "time": 50.0, "phase": "serving"})
     assert HeartbeatTracker(path, clock=lambda: 10.0).sample().age_s == 0.0
+
+
+def test_the_shims_warning_is_read_as_one_printable_line(tmp_path):
+    path = tmp_path / "hb"
+    record = {"pid": 12, "beats": 3, "time": 1.0, "phase": "serving",
+              "warning": "mlx-lm 0.31.0 was yanked\n\x1b[2J"}
+    write(path, record)
+    assert read_heartbeat(path).warning == "mlx-lm 0.31.0 was yanked \\x1b[2J"
+    tracker = HeartbeatTracker(path, clock=lambda: 2.0, monotonic=lambda: 5.0)
+    assert tracker.sample().warning == "mlx-lm 0.31.0 was yanked \\x1b[2J"
+    write(path, dict(record, warning=["not", "text"]))
+    assert read_heartbeat(path).warning is None

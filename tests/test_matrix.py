@@ -15,6 +15,7 @@ import shutil
 import time
 
 import pytest
+import requests
 
 from tests.conftest import fault_env
 from harness.server import ENVS_DIR, BackgroundRequest, python_for
@@ -114,6 +115,43 @@ def test_known_bad_pair_warns_and_its_first_request_death_says_why(servers, tiny
     _assert_503_then_70(server, request)
     notes = [l for l in server.hotfix_lines() if "known-bad pair" in l]
     assert len(notes) == 1 and "There is no Stream(cpu, 0)" in notes[0], server.log()
+
+
+@pytest.mark.server
+@pytest.mark.matrix
+def test_known_bad_pair_is_named_by_probe_and_in_the_heartbeat(servers, tiny_llama, tmp_path):
+    """Before any request the watchdog can say why this server will die:
+    /health and the heartbeat (which `status` reads) carry the warning, and
+    `mlx-watchdog probe` prints it, in its JSON line and on stderr."""
+    from click.testing import CliRunner
+
+    from mlx_watchdog.cli import main
+
+    beat = tmp_path / "heartbeat.json"
+    server = servers("0.31.0+mlx-0.32.4", tiny_llama,
+                     env={"MLX_HOTFIX_HEARTBEAT_FILE": str(beat)})
+    server.wait_listening(120)
+    pair = ("mlx-lm 0.31.0 with mlx 0.32.4: the generation thread dies on the first request "
+            "(There is no Stream(cpu, 0) in current thread); fix: pip install 'mlx<0.32'")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        record = json.loads(beat.read_text()) if beat.exists() else {}
+        if record.get("phase") == "serving":
+            break
+        time.sleep(0.2)
+    assert record.get("phase") == "serving" and pair in record.get("warning", ""), record
+    health = requests.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200 and pair in health.json()["warning"], health.text
+    assert "yanked" in health.json()["warning"]
+
+    # The probe is this server's first request, and its death: the answer names the cause.
+    result = CliRunner().invoke(main, ["probe", "--url", server.url, "--timeout", "60"])
+    assert result.exit_code == 1, result.output
+    line = json.loads(result.stdout)
+    assert line["status"] == "unhealthy" and pair in line["warning"], line
+    [said] = result.stderr.strip().splitlines()
+    assert said.startswith("WARNING: " + pair), said
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
 
 
 def _relabelled_tree(tmp_path, version="0.33.0"):

@@ -428,3 +428,32 @@ def test_the_boot_grace_holds_without_the_new_process_serving(tmp_path, reading)
     monitor = _booting_monitor(tmp_path, beat, [TIMEOUT, TIMEOUT])
     assert [monitor.tick().state for _ in range(2)] == [STARTING, STARTING]
     assert monitor.restarts == 0
+
+
+# -- a known-bad install, said by the shim (issue 12) -------------------------
+
+BAD_PAIR = "mlx-lm 0.31.0 with mlx 0.32.4: dies on the first request; fix: pip install 'mlx<0.32'"
+
+
+def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    warned = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200, warning=BAD_PAIR)
+    monitor = make_monitor(tmp_path, [warned, GOOD, GOOD])
+    monitor.started()
+    monitor.tick()  # no heartbeat: the probe's /health says it
+    monitor.tick()  # a probe without /health keeps it
+    record = read_state(tmp_path / "state.json")["instances"]["gemma"]
+    assert record["state"] == HEALTHY and record["warning"] == BAD_PAIR
+    assert [e["message"] for e in logs() if e["event"] == "install"] == [BAD_PAIR]  # once
+    # The heartbeat decides when there is one: it outlives the death that follows.
+    monitor.heartbeat = FakeHeartbeat(HeartbeatReading(
+        age_s=0.5, advanced=True, phase="serving", beats=5, pid=7, started=1001.0))
+    monitor.tick()
+    assert monitor.record()["warning"] is None
+
+    data = {"instances": {"gemma": dict(record, daemon_pid=1)}}
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
+    assert f"  WARNING: {BAD_PAIR}" in text.splitlines()  # shown although healthy
+    del data["instances"]["gemma"]["warning"]
+    assert "WARNING" not in format_status(data, now=1000.0, pid_alive=lambda pid: True)

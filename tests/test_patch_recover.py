@@ -49,12 +49,18 @@ def _die_once(server, arm) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_next_request_after_a_death_is_served_in_place_without_a_load(
         servers, tiny_llama, tmp_path, version):
+    # A fresh server's greedy answer: same model, same flags, no fault; its
+    # first and only request.
+    reference = servers(version, tiny_llama, env={"MLX_HOTFIX_RECOVER": "thread"})
+    reference.wait_listening(120)
+    fresh = _content(reference.chat(PROMPT, max_tokens=24, timeout=120))
+    reference.stop()
+
     arm = tmp_path / "arm"
     server = servers(version, tiny_llama, env=_recover_env(arm))
     server.warm_up()
     lines = server.hotfix_lines()
     assert "recover applied (mode thread, at most 3 in 600 s)" in lines[0], lines
-    fresh = _content(server.chat(PROMPT, max_tokens=24))  # a fresh server's greedy answer
     pid = server.proc.pid
 
     _die_once(server, arm)

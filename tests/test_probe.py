@@ -241,3 +241,42 @@ def test_cli_health_flag():
         assert run_probe_cli("--url", server.url).exit_code == 0
         result = run_probe_cli("--url", server.url, "--health")
     assert result.exit_code == 1 and "/health: 503" in result.output
+
+
+# -- the shim's warning about a known-bad install (issue 12) -----------------
+
+BAD_PAIR = ("mlx-lm 0.31.0 with mlx 0.32.4: the generation thread dies on the first request "
+            "(There is no Stream(cpu, 0) in current thread); fix: pip install 'mlx<0.32'")
+
+
+def test_the_warning_in_health_is_kept_whatever_the_completion_says():
+    health = json_answer(200, {"status": "ok", "warning": BAD_PAIR + "\n\x1b[31m"})
+    with FakeServer(health=health, completion=HANG) as server:
+        result = probe(server.url, timeout=0.5, check_health=True)
+    assert result.status == UNHEALTHY and "timed out" in result.reason
+    assert result.warning == BAD_PAIR + " \\x1b[31m"  # one line, escapes shown
+
+
+def test_the_warning_in_a_shim_error_answer_is_read_without_health():
+    died = json_answer(503, {"error": {"message": "generation thread died (RuntimeError: x)"},
+                             "warning": BAD_PAIR})
+    with FakeServer(completion=died) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.warning == BAD_PAIR
+
+
+def test_no_warning_from_a_plain_server():
+    with FakeServer(completion=DEAD_THREAD) as server:
+        assert probe(server.url, check_health=True).warning is None
+
+
+def test_cli_prints_the_warning_in_the_json_line_and_on_stderr():
+    health = json_answer(200, {"status": "ok", "warning": BAD_PAIR})
+    with FakeServer(health=health) as server:
+        result = run_probe_cli("--url", server.url, "--health")
+        plain = run_probe_cli("--url", server.url)
+    assert result.exit_code == 0, result.output
+    line = json.loads(result.stdout)
+    assert line["status"] == "ok" and line["warning"] == BAD_PAIR
+    assert result.stderr.strip().splitlines() == [f"WARNING: {BAD_PAIR}"]
+    assert "warning" not in json.loads(plain.stdout) and plain.stderr == ""

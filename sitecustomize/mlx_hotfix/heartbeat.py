@@ -92,9 +92,31 @@ def _identity():
     return _who
 
 
+_UNSET = object()
+_warning = _UNSET
+
+
+def warning():
+    """The one-line known-bad-pair or yanked-release warning, or None.
+
+    Sent in the record and in /health so that `mlx-watchdog probe` and
+    `status` can say why a server dies on its first request (issue 12).
+    Worked out once, after mlx_lm loaded (its version is known by then).
+    """
+    global _warning
+    if _warning is _UNSET:
+        try:
+            from .patches import pairing_warning
+
+            _warning = pairing_warning()
+        except Exception:  # noqa: BLE001 - a warning never costs a beat
+            _warning = None
+    return _warning
+
+
 def record(phase):
     """The heartbeat record (the contract other tools read; fields only grow)."""
-    return {
+    data = {
         "pid": os.getpid(),
         "started": _started,
         "beats": _beats,
@@ -110,6 +132,9 @@ def record(phase):
         "rank": _rank if _rank is not None else _identity().get("rank"),
         "host": _identity().get("host"),
     }
+    if warning():
+        data["warning"] = warning()
+    return data
 
 
 def _write(data):

@@ -11,7 +11,9 @@ generation loop iterates, busy or idle:
 ``beats`` only grows; ``phase`` is "loading", "serving" or "stalled" (requests
 in flight and nothing delivered for the shim's MLX_HOTFIX_STALL_TIMEOUT). When
 the loop hangs the file stops changing, which is the most direct sign of a
-wedge there is. Older shims write only pid, beats, time and phase: every
+wedge there is. ``warning`` (present only then) is the shim's one line
+about a known-bad install (a pair that dies on the first request, a yanked
+release). Older shims write only pid, beats, time and phase: every
 other field is optional.
 """
 
@@ -41,6 +43,7 @@ class Heartbeat:
     started: Optional[float] = None  # unix time the shim started in that process
     in_flight: Optional[int] = None
     delivered: Optional[int] = None
+    warning: Optional[str] = None  # the shim's known-bad-install line, if any
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class HeartbeatReading:
     pid: int
     started: Optional[float] = None
     in_flight: Optional[int] = None
+    warning: Optional[str] = None
 
 
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
@@ -74,6 +78,7 @@ def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
         started=float(started) if _is_number(started) else None,
         in_flight=in_flight if _is_int(in_flight) else None,
         delivered=delivered if _is_int(delivered) else None,
+        warning=_text(data.get("warning")),
     )
 
 
@@ -131,6 +136,15 @@ def not_from(beat: Heartbeat, root_pid: int) -> Optional[str]:
         return (f"heartbeat written {started - beat.time:.0f}s before its process "
                 f"(pid {beat.pid}) started")
     return None
+
+
+def _text(value: object) -> Optional[str]:
+    """A one-line text field, safe to print, or None."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    from .redact import printable
+
+    return printable(" ".join(value.split()))[:600]
 
 
 def _is_int(value: object) -> bool:
@@ -192,6 +206,7 @@ class HeartbeatTracker:
             pid=beat.pid,
             started=beat.started,
             in_flight=beat.in_flight,
+            warning=beat.warning,
         )
 
     def _judged(self, beat: Optional[Heartbeat]):

@@ -98,6 +98,7 @@ class Monitor:
         self._last_ok_probe: Optional[float] = None
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
+        self._warning: Optional[str] = None  # the shim's known-bad-install line
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -118,6 +119,7 @@ class Monitor:
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
         beat = self.heartbeat.sample() if self.heartbeat else None
         self._note_heartbeat_problem()
+        self._note_warning(beat, probe)
         port_held_by = self.listener(probe) if self.listener else None
         self._observe_server()
         now = self.clock()
@@ -265,7 +267,20 @@ class Monitor:
             "last_ok_probe": self._last_ok_probe,
             "server": self._server,
             "newest_report": self._newest_report,
+            "warning": self._warning,
         }
+
+    def _note_warning(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
+        """The shim's warning about its install (a pair that dies on the first
+        request, a yanked release). The heartbeat outlives the death that
+        follows, so it decides when there is one; else the probe's /health."""
+        if beat is not None:
+            warning = getattr(beat, "warning", None)
+        else:
+            warning = getattr(probe, "warning", None) or self._warning
+        if warning and warning != self._warning:
+            self.events.warning("install", warning)
+        self._warning = warning
 
     def _note_heartbeat_problem(self) -> None:
         """Say once (per change) why the heartbeat is unusable or ignored."""
@@ -290,6 +305,7 @@ class Monitor:
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.
         self._boot_wall = self.wall_clock()
+        self._warning = None  # the new server says its own
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

@@ -44,6 +44,7 @@ DEAD_THREAD_ERROR = "generation thread died"  # mlx-lm 0.32's error text
 COMPLETIONS_PATH = "/v1/chat/completions"
 HEALTH_PATH = "/health"
 _REASON_CHARS = 200
+_WARNING_CHARS = 600  # two known problems fit in one line
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class ProbeResult:
     # The server itself said its generation thread is gone (503 from /health,
     # or "generation thread died" in an error body): a definite wedge signal.
     dead_thread: bool = False
+    # The hotfix shim's one-line warning, from /health or an error answer: a
+    # known-bad install (an mlx-lm and mlx pair that dies on the first
+    # request, a yanked release).
+    warning: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -101,21 +106,24 @@ class Probe:
 
     def __call__(self) -> ProbeResult:
         started = time.monotonic()
+        answers: Dict[str, Any] = {}  # bodies that may carry the shim's warning
         try:
             with _Deadline(self.timeout) as deadline:
-                fields = self._exchange(deadline)
+                fields = self._exchange(deadline, answers)
         except _Failed as failure:
             fields = failure.fields
         except Exception as exc:  # noqa: BLE001 - never raise: a probe failure is an observation
             fields = dict(status=UNHEALTHY, reason=_short(f"probe error: {exc!r}"))
+        # /health says it when asked; a shim's error answer says it too.
+        fields["warning"] = _warning(answers.get("health")) or _warning(answers.get("error"))
         return ProbeResult(latency_s=round(time.monotonic() - started, 4), **fields)
 
     # -- internals ---------------------------------------------------------
 
-    def _exchange(self, deadline: "_Deadline") -> dict:
+    def _exchange(self, deadline: "_Deadline", answers: Dict[str, Any]) -> dict:
         target = _Target.parse(self.url)
         if self.check_health:
-            status, _ = self._send(target, deadline, "GET", HEALTH_PATH)
+            status, answers["health"] = self._send(target, deadline, "GET", HEALTH_PATH)
             if status == 503:
                 return dict(
                     status=UNHEALTHY,
@@ -132,6 +140,8 @@ class Probe:
             "stream": False,
         }
         status, body = self._send(target, deadline, "POST", COMPLETIONS_PATH, payload)
+        if status != 200:
+            answers["error"] = body
         return _read_completion(status, body)
 
     def _send(
@@ -203,6 +213,16 @@ def _read_completion(status: int, body: bytes) -> dict:
         http_status=status,
         dead_thread=DEAD_THREAD_ERROR in text,
     )
+
+
+def _warning(body: Optional[bytes]) -> Optional[str]:
+    """The shim's "warning" in a JSON body, made safe to print; or None."""
+    data = _json(body) if body else None
+    text = data.get("warning") if isinstance(data, dict) else None
+    if not isinstance(text, str) or not text.strip():
+        return None
+    text = printable(scrub(" ".join(text.split())))
+    return text if len(text) <= _WARNING_CHARS else text[: _WARNING_CHARS - 3] + "..."
 
 
 def _count_tokens(data: dict) -> int:

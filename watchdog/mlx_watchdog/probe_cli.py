@@ -138,5 +138,9 @@ def probe_command(
         url, timeout=timeout, model=model, api_key=api_key, check_health=health, cacert=cacert
     )()
     fields = ("status", "latency_s", "tokens", "reason")
-    click.echo(json.dumps({k: getattr(result, k) for k in fields}))
+    line = {k: getattr(result, k) for k in fields}
+    if result.warning:  # a known-bad install: the server said so on /health
+        line["warning"] = result.warning
+        click.echo(f"WARNING: {result.warning}", err=True)
+    click.echo(json.dumps(line))
     ctx.exit(_EXIT_CODES[result.status])

@@ -241,6 +241,10 @@ def _details(
             f"  note: the watchdog that wrote this (pid {pid}) is not running; "
             f"last update {_ago(now, record.get('updated'))}"
         )
+    warning = record.get("warning")
+    if isinstance(warning, str) and warning:
+        # A known-bad install shows even while healthy: it dies on the first request.
+        lines.insert(0, f"  WARNING: {' '.join(warning.split())}")
     if state in _CALM and not lines:
         return []
     since = _ago(now, record.get("since"), suffix="")

@@ -300,7 +300,8 @@ def _wrap_handle_completion(original):
 def _wrap_health(original):
     def handle_health_check(self, *args, **kwargs):
         if lifeline.dead:
-            return send_json(self, 503, {"status": "unavailable", "error": error_message()})
+            return send_json(self, 503, _with_warning(
+                {"status": "unavailable", "error": error_message()}))
         return original(self, *args, **kwargs)
 
     return _wrap(original, handle_health_check)
@@ -315,6 +316,7 @@ def answer_dead(handler):
             "code": 503,
         }
     }
+    body = _with_warning(body)
     try:
         if handler.__dict__.get("_mlx_hotfix_headers_sent"):
             # A stream already said 200: end it with an error event.
@@ -326,6 +328,13 @@ def answer_dead(handler):
     except (OSError, ValueError):
         pass  # the client left
     handler.close_connection = True
+
+
+def _with_warning(body):
+    """body, plus the known-bad-install line when there is one: on a pair that
+    dies on the first request, the answer to that request says why."""
+    warning = heartbeat.warning()
+    return dict(body, warning=warning) if warning else body
 
 
 # -- the main thread leaving the server ----------------------------------------

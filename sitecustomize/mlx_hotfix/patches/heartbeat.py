@@ -165,6 +165,8 @@ def _wrap_health(original):
         if _generation_dead(self):
             answer = 503, {"status": "unavailable", "error": "generation thread died"}
         status, body = answer
+        if heartbeat.warning():  # a known-bad install: say so to every probe
+            body = dict(body, warning=heartbeat.warning())
         send_json(self, status, body)
 
     return _wrap(original, handle_health_check, NAME)
