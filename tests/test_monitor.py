@@ -448,7 +448,7 @@ def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
     assert [e["message"] for e in logs() if e["event"] == "install"] == [BAD_PAIR]  # once
     # The heartbeat decides when there is one: it outlives the death that follows.
     monitor.heartbeat = FakeHeartbeat(HeartbeatReading(
-        age_s=0.5, advanced=True, phase="serving", beats=5, pid=7, started=1001.0))
+        age_s=0.5, phase="serving", beats=5, pid=7, started=1001.0))
     monitor.tick()
     assert monitor.record()["warning"] is None
 
