@@ -233,7 +233,7 @@ def test_exit_grace_below_the_floor_is_raised_with_a_warning(tmp_path):
         env=base_env(extra={"MLX_HOTFIX_EXIT_GRACE": "0"}), capture_output=True, text=True,
         timeout=60)
     assert result.returncode == 0, result.stderr
-    assert float(result.stdout) == 1.0
+    assert float(result.stdout) == 2.0
     assert "MLX_HOTFIX_EXIT_GRACE=0 is below" in result.stderr
 
 

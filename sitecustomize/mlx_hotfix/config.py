@@ -4,7 +4,7 @@ MLX_HOTFIX=0                 the whole shim off (handled in sitecustomize.py)
 MLX_HOTFIX_DISABLE=a,b       turn off the named parts (PARTS below)
 MLX_HOTFIX_DEBUG=1           verbose
 MLX_HOTFIX_EXIT_CODE=70      exit status after the generation thread dies
-MLX_HOTFIX_EXIT_GRACE=1.0    at most this many seconds to answer waiting clients
+MLX_HOTFIX_EXIT_GRACE=2.0    at most this many seconds to answer waiting clients
                              (the exit goes as soon as all are answered; values
                              below MIN_EXIT_GRACE are raised to it, so that 0
                              never cuts a client off)
@@ -23,7 +23,7 @@ PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
-MIN_EXIT_GRACE = 1.0  # room for every waiting client to be answered under load
+MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load too
 
 
 class Config:
@@ -36,7 +36,7 @@ class Config:
             "an integer from 1 to 255",
         )
         self.exit_grace = self._number(
-            environ, "MLX_HOTFIX_EXIT_GRACE", 1.0, float, lambda v: 0 <= v <= 60,
+            environ, "MLX_HOTFIX_EXIT_GRACE", MIN_EXIT_GRACE, float, lambda v: 0 <= v <= 60,
             "a number of seconds from 0 to 60",
         )
         # In a distributed group rank N>0 writes <file>.rankN (see group.py).

@@ -34,6 +34,7 @@ import threading
 import time
 
 from . import config
+from ._files import write_atomically
 
 LOADING, SERVING, STALLED = "loading", "serving", "stalled"
 
@@ -144,37 +145,9 @@ def _write(data):
         return
     with _write_lock:
         try:
-            write_atomically(path, json.dumps(data) + "\n")
+            write_atomically(path, json.dumps(data) + "\n", mode=0o644)  # a watchdog of another user reads it
         except OSError as exc:
             _warn_unwritable(path, exc)  # a full disk must not kill the loop
-
-
-def write_atomically(path, text):
-    """Replace path with text through a fresh temp file in its directory.
-
-    mkstemp creates the temp file with O_EXCL and a random name, so a name
-    planted by another user (a symlink to the owner's file) is never
-    followed; os.replace then swaps the name itself, never a link's target.
-    """
-    import tempfile  # lazily: the drop-in imports only os and sys up front
-
-    directory, name = os.path.split(os.path.abspath(path))
-    descriptor, temporary = tempfile.mkstemp(prefix="." + name + ".", suffix=".tmp",
-                                             dir=directory)
-    try:
-        try:
-            os.fchmod(descriptor, 0o644)  # readable by a watchdog of another user
-        except OSError:
-            pass
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
 
 
 _warned_unwritable = False

@@ -29,6 +29,8 @@ import sys
 import threading
 import time
 
+from ._files import write_atomically
+
 KEEP = 50
 SCHEMA = 1
 _STACKS_PREFIX = "stacks-"
@@ -242,24 +244,10 @@ def build_report(kind, exc=None, extra=None):
 
 def write_json(directory, name, data):
     """Write data as name in directory, whole or not at all, mode 0600."""
-    import tempfile
-
     _ensure_dir(directory)
-    fd, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1, sort_keys=True, default=repr)
-            handle.write("\n")
-        os.chmod(temporary, 0o600)
-        path = os.path.join(directory, name)
-        os.replace(temporary, path)
-        return path
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
+    path = os.path.join(directory, name)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True, default=repr) + "\n")
+    return path
 
 
 def report_name(kind, pid, when):

@@ -37,14 +37,13 @@ stock tree relabelled 0.33.0).
 
 import json
 import os
-import queue
 import sys
 import threading
 import time
 import weakref
 
 from .. import config, heartbeat, log, reports
-from .._wrap import _MARK, wrapped_by
+from .._wrap import _MARK
 from .._wrap import _wrap as _wrap_as
 from . import loop_shapes
 from ._http import send_json
@@ -397,23 +396,7 @@ _HANDLER_METHODS = ("handle", "handle_completion", "handle_health_check", "end_h
 
 
 def check_shape(server):
-    why = loop_shapes.check_shape(server)
-    if why is not None:
-        return why
-    generator = getattr(server, "ResponseGenerator", None)
-    handler = getattr(server, "APIHandler", None)
-    if handler is None:
-        return "mlx_lm.server has no APIHandler"
-    for owner, names in ((generator, _RESPONSE_GENERATOR_METHODS), (handler, _HANDLER_METHODS)):
-        for name in names:
-            if not callable(getattr(owner, name, None)):
-                return "%s.%s is missing" % (owner.__name__, name)
-    if wrapped_by(generator._generate, NAME):
-        return "already applied"
-    queue_class = getattr(server, "Queue", None)
-    if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
-        return "mlx_lm.server does not use queue.Queue for responses"
-    return None
+    return loop_shapes.check_server(server, _RESPONSE_GENERATOR_METHODS, _HANDLER_METHODS, NAME)
 
 
 def apply(server):

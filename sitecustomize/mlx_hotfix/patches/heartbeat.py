@@ -30,7 +30,6 @@ tests/test_shim_heartbeat.py, tests/test_sdnotify_server.py.
 """
 
 import os
-import queue
 import sys
 import threading
 
@@ -197,26 +196,11 @@ def _serves_mlx_lm(httpd):
 
 
 def check_shape(server):
-    why = loop_shapes.check_shape(server)  # the loop's per-pass hook points, any shape
-    if why is not None:
-        return why
-    generator = server.ResponseGenerator
-    handler = getattr(server, "APIHandler", None)
-    if handler is None:
-        return "mlx_lm.server has no APIHandler"
-    for owner, names in ((generator, ("_generate", "generate")),
-                         (handler, ("handle_completion", "handle_health_check"))):
-        for name in names:
-            if not callable(getattr(owner, name, None)):
-                return "%s.%s is missing" % (owner.__name__, name)
-    if wrapped_by(generator._generate, NAME):
-        return "already applied"
-    queue_class = getattr(server, "Queue", None)
-    if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
-        return "mlx_lm.server does not use queue.Queue for responses"
-    if not isinstance(getattr(server, "Response", None), type):
-        return "mlx_lm.server has no Response class to count tokens by"
-    return None
+    why = loop_shapes.check_server(server, ("_generate", "generate"),
+                                   ("handle_completion", "handle_health_check"), NAME)
+    if why is None and not isinstance(getattr(server, "Response", None), type):
+        why = "mlx_lm.server has no Response class to count tokens by"
+    return why
 
 
 def apply(server):

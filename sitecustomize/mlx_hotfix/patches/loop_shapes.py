@@ -116,3 +116,28 @@ def loop_hooks(server):
     if budget is not None:
         hooks.append((budget, "__next__"))
     return hooks
+
+
+def check_server(server, generator_methods, handler_methods, part):
+    """The shape both the exit and the heartbeat part need: the loop's hook
+    points, the named methods, not yet wrapped by part, queue.Queue responses.
+    None if it fits, else why not."""
+    why = check_shape(server)
+    if why is not None:
+        return why
+    generator = server.ResponseGenerator
+    handler = getattr(server, "APIHandler", None)
+    if handler is None:
+        return "mlx_lm.server has no APIHandler"
+    for owner, names in ((generator, generator_methods), (handler, handler_methods)):
+        for name in names:
+            if not callable(getattr(owner, name, None)):
+                return "%s.%s is missing" % (owner.__name__, name)
+    from .._wrap import wrapped_by
+
+    if wrapped_by(generator._generate, part):
+        return "already applied"
+    queue_class = getattr(server, "Queue", None)
+    if not (isinstance(queue_class, type) and issubclass(queue_class, queue.Queue)):
+        return "mlx_lm.server does not use queue.Queue for responses"
+    return None
