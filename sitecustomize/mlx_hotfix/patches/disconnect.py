@@ -69,6 +69,7 @@ class _Waiting:
         self.queue = None
         self.tokens = 0
         self.gone = False
+        self.finished = False  # the generation ended; the handler is answering
 
     def attach(self, ctx):
         """The request's context arrived (handler thread)."""
@@ -81,8 +82,8 @@ class _Waiting:
     def hung_up(self):
         """The peer closed (watcher thread)."""
         with self.lock:
-            if self.gone:
-                return
+            if self.gone or self.finished:
+                return  # a client that read its whole answer and closed did not hang up
             self.gone = True
             ctx = self.ctx
         if ctx is not None:  # else attach() cancels when the context arrives
@@ -201,8 +202,11 @@ def _make_hangup_queue(base):
                 super().put(item)  # any later reader refuses too
                 raise ClientGone()
             waiting = self._mlx_hotfix_waiting
-            if waiting is not None and hasattr(item, "token"):
-                waiting.tokens += 1
+            if waiting is not None:
+                if hasattr(item, "token"):
+                    waiting.tokens += 1
+                if item is None or getattr(item, "finish_reason", None) is not None:
+                    waiting.finished = True  # its answer is on the way: a close is no hang-up
             return item
 
     _HangupQueue.__name__ = base.__name__

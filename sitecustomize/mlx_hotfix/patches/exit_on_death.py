@@ -37,6 +37,7 @@ stock tree relabelled 0.33.0).
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -78,6 +79,7 @@ class Lifeline:
         self.cause = None
         self.died_at = None
         self.in_flight = None
+        self.stopping = None  # the signal that asked the server to stop, if one did
         # The recover part's policy, when MLX_HOTFIX_RECOVER=thread (else None):
         # plan(exc, during_startup) -> None to exit, or what it will do instead;
         # recover(generator, exc) -> True once a fresh loop serves (patches/recover.py).
@@ -148,6 +150,21 @@ class Lifeline:
             if pairing:
                 extra["pairing_warning"] = pairing
             reports.write_report("died", exc=exc, extra=extra)  # within the grace; never raises
+        unanswered = self._wait_for_answers(deadline)
+        if unanswered:
+            log.say("%d client(s) not answered within the grace" % unanswered)
+        if plan is not None and recovery.recover(generator, exc):
+            return
+        heartbeat.notify_stopping("generation thread died; exiting")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(settings.exit_code)
+
+    def _wait_for_answers(self, deadline):
+        """Until every connection is answered, or deadline; the unanswered count."""
         with self._lock:
             while True:
                 left = deadline - time.monotonic()
@@ -162,18 +179,38 @@ class Lifeline:
                 self._idle.wait(min(_SETTLE_S, left))
                 if not self._handlers and self._entered == entered:
                     break
-            unanswered = len(self._handlers)
+            return len(self._handlers)
+
+    # -- a stop asked for: answer, then go as asked ----------------------------
+    def stop_serving(self, signum):
+        """SIGTERM: every waiting client gets the same 503 (or SSE error event)
+        as at a death instead of a reset connection, then the process dies of
+        the signal as it would have (within MLX_HOTFIX_EXIT_GRACE). A supervisor
+        restarting the server, or mlx.launch stopping the other ranks of a
+        group, so never leaves a client without an answer."""
+        with self._lock:
+            if self.dead:
+                return  # a death is being answered already; its exit follows
+            self.dead = True
+            self.stopping = signum
+            self.died_at = time.monotonic()
+            queues = list(self._queues)
+        heartbeat.stop()
+        for q in queues:
+            try:
+                q.put(_SENTINEL)
+            except Exception:  # noqa: BLE001 - a queue that cannot take it is not waited on
+                pass
+        unanswered = self._wait_for_answers(self.died_at + config.current().exit_grace)
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
-        if plan is not None and recovery.recover(generator, exc):
-            return
-        heartbeat.notify_stopping("generation thread died; exiting")
+        heartbeat.notify_stopping("stopping (signal %d)" % signum)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001
                 pass
-        os._exit(settings.exit_code)
+        os.kill(os.getpid(), signum)  # its default action again (on_sigterm reset it)
 
     def revive(self):
         """A fresh generation loop serves again (the recover part): accept requests."""
@@ -206,6 +243,8 @@ def _one_line(exc):
 
 
 def error_message():
+    if lifeline.stopping is not None:
+        return "the server is stopping (signal %d) and will be restarted" % lifeline.stopping
     cause = lifeline.cause
     what = "%s: %s" % (cause.__class__.__name__, _one_line(cause)) if cause else "unknown"
     return "generation thread died (%s); the server is restarting" % what
@@ -243,6 +282,10 @@ def _wrap_generate_loop(original):
     def _generate(self, *args, **kwargs):
         try:
             return original(self, *args, **kwargs)
+        except GenerationThreadDied:
+            if lifeline.stopping is not None:
+                return None  # woken by a stop (SIGTERM): the loop ends quietly
+            raise
         except BaseException as exc:
             if threading.current_thread() is getattr(self, "_generation_thread", None):
                 loaded = getattr(getattr(self, "model_provider", None), "model", None)
@@ -417,3 +460,23 @@ def apply(server):
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)
+    _answer_on_sigterm()
+
+
+def _answer_on_sigterm():
+    """Stock dies of SIGTERM at once, resetting every waiting client. Only
+    where nobody else handles it, and only from the main thread (signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        # Once only: a second SIGTERM kills at once, as stock. The drain runs
+        # on a thread, not in the handler: it waits on locks that the frame
+        # this handler interrupted could hold.
+        signal.signal(signum, signal.SIG_DFL)
+        threading.Thread(target=lifeline.stop_serving, args=(signum,),
+                         name="mlx-hotfix-stop", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
