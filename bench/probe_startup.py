@@ -1,6 +1,6 @@
 """Start-up cost of `mlx-watchdog probe`, lazy CLI vs the eager one it replaced.
 
-    <python> -m bench.probe_startup [--runs N] [--results-dir DIR]
+    <python> -m bench.probe_startup [--quick] [--runs N] [--results-dir DIR]
 
 Both arms run in the same run, interleaved, against a closed port (so the
 probe itself costs nothing and only start-up is measured):
@@ -38,9 +38,12 @@ def once(code: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=None, help="paired runs [default: 15; 8 with --quick]")
+    parser.add_argument("--quick", action="store_true", help="fewer runs (bench/run_all's default)")
     parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
+    if args.runs is None:
+        args.runs = 8 if args.quick else 15
     once(LAZY), once(EAGER)  # warm the file cache
     lazy, eager = [], []
     for _ in range(args.runs):
