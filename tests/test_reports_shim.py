@@ -70,6 +70,7 @@ def test_a_fatal_signal_lands_in_a_report_at_the_next_start(envs, tmp_path, vers
     assert second.returncode == 0, second.stderr
     files = _reports(reports)
     assert len(files) == 1 and "folded into" in second.stderr
+    assert "Fatal Python error: Aborted" in second.stderr  # the service log gets them too
     report = json.loads(files[0].read_text())
     assert report["kind"] == "aborted" and "Fatal Python error: Aborted" in report["fatal_stacks"]
     assert not list(reports.glob("fatal-*.txt")) or all(

@@ -337,6 +337,10 @@ def fold_fatal_files(directory=None):
                     from . import log
 
                     log.say("pid %d left fatal stacks; folded into %s" % (pid, written[-1]))
+                    # The journal (or the service log) gets them too: the
+                    # dying process wrote them to this file, not to stderr.
+                    sys.stderr.write(text if text.endswith("\n") else text + "\n")
+                    sys.stderr.flush()
                 os.unlink(path)
             except OSError:
                 pass
