@@ -184,7 +184,7 @@ def main() -> int:
         f"under `mlx-watchdog supervise` (defaults), mlx-lm {VERSION} with the shim. Model: "
         f"random llama, hidden {size['hidden_size']}, {size['num_layers']} layers, float32, "
         f"{size_gb:.2f} GB; `mlx_lm.load` takes {load_s:.1f} s in a fresh process. "
-        f"Git revision {results['git_revision']}.\n\n"
+        f"Git revision {results['git_revision'].get('revision')}.\n\n"
         + table(("mode", "death to serving, each (s)", "median", "model loads in the run"),
                 rows)
         + f"\n\nIn place is **{fmt(ratio, 'x', 1)}** faster than exit and restart "
@@ -196,6 +196,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from common import run_main
+    from bench.common import run_main
 
     run_main(main)
