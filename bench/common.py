@@ -224,7 +224,8 @@ def git_revision() -> Dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     revision = git("rev-parse", "--short", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # A run rewrites its own results files: those do not make the tree dirty.
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
     return {"revision": revision, "dirty": None if status is None else bool(status)}
 
 
