@@ -280,3 +280,41 @@ def test_cli_prints_the_warning_in_the_json_line_and_on_stderr():
     assert line["status"] == "ok" and line["warning"] == BAD_PAIR
     assert result.stderr.strip().splitlines() == [f"WARNING: {BAD_PAIR}"]
     assert "warning" not in json.loads(plain.stdout) and plain.stderr == ""
+
+
+def test_other_evidence_can_end_the_wait_before_the_timeout():
+    # The monitor hands the probe a give_up check (the shim's heartbeat gone
+    # stale): a probe sent just before a hang stops waiting once that is so,
+    # instead of holding the verdict for its whole timeout.
+    asked = []
+
+    def give_up():
+        asked.append(time.monotonic())
+        return "the heartbeat is 12s old (limit 10s)" if len(asked) >= 2 else None
+
+    with FakeServer(completion=HANG) as server:
+        result = Probe(server.url, timeout=60, give_up=give_up)()
+    assert result.status == UNHEALTHY and result.latency_s < 30  # not the 60 s timeout
+    assert result.reason.startswith("no answer after ") and "heartbeat is 12s old" in result.reason
+    with FakeServer(completion=HANG) as server:  # no reason given: the timeout stands
+        result = Probe(server.url, timeout=1.5, give_up=lambda: None)()
+    assert result.reason == "timed out after 1.5s"
+
+
+def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat():
+    from mlx_watchdog.compose import _stale_heartbeat
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    class Tracker:
+        beat = None
+
+        def sample(self):
+            return self.beat
+
+    tracker = Tracker()
+    why = _stale_heartbeat(tracker, 10.0)
+    assert why() is None  # no heartbeat
+    for phase, age, stale in (("serving", 5, False), ("serving", 11, True),
+                              ("loading", 99, False), ("stalled", 1, True)):
+        tracker.beat = HeartbeatReading(age_s=age, phase=phase, beats=1, pid=1)
+        assert bool(why()) is stale, (phase, age)

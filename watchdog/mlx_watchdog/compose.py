@@ -14,6 +14,7 @@ from typing import Callable, Optional
 from . import reports
 from .config import InstanceConfig
 from .group import heartbeat_tracker
+from .heartbeat import SERVING, STALLED
 from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
@@ -58,6 +59,8 @@ def build_monitor(
     wall_clock: Callable[[], float] = time.time,
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
+    # Every rank's heartbeat when the server is an mlx.launch group (group.py).
+    heartbeat = heartbeat_tracker(heartbeat_file, owner=owner) if heartbeat_file else None
     return Monitor(
         instance.name,
         probe or Probe(
@@ -67,13 +70,13 @@ def build_monitor(
             api_key=instance.api_key,
             check_health=instance.health_check,
             cacert=instance.cacert,
+            give_up=_stale_heartbeat(heartbeat, instance.heartbeat_timeout) if heartbeat else None,
         ),
         judge=Judge(judge_config(instance)),
         policy=policy or restart_policy(instance),
         action=action,
         url=instance.url,
-        # Every rank's heartbeat when the server is an mlx.launch group (group.py).
-        heartbeat=heartbeat_tracker(heartbeat_file, owner=owner) if heartbeat_file else None,
+        heartbeat=heartbeat,
         process=process,
         listener=listener,
         events=Events(instance.name),
@@ -84,3 +87,22 @@ def build_monitor(
         clock=clock,
         wall_clock=wall_clock,
     )
+
+
+def _stale_heartbeat(heartbeat, limit_s: float) -> Callable[[], Optional[str]]:
+    """For the probe: stop waiting once the shim's heartbeat is staler than the
+    judge's limit (or says stalled). The judge would call that wedged at the
+    probe's timeout anyway; a probe sent just before a hang no longer makes
+    the verdict wait one more probe timeout."""
+
+    def why() -> Optional[str]:
+        beat = heartbeat.sample()
+        if beat is None:
+            return None
+        if beat.phase == STALLED:
+            return "the heartbeat says stalled"
+        if beat.phase == SERVING and beat.age_s > limit_s:
+            return f"the heartbeat is {beat.age_s:.0f}s old (limit {limit_s:g}s)"
+        return None
+
+    return why

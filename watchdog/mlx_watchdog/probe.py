@@ -30,7 +30,7 @@ import ssl
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from . import defaults
@@ -88,6 +88,7 @@ class Probe:
         check_health: bool = defaults.CHECK_HEALTH,
         max_body: int = defaults.MAX_BODY_BYTES,
         cacert: Optional[str] = None,
+        give_up: Optional[Callable[[], Optional[str]]] = None,
     ):
         self.url = url.rstrip("/")
         self.cacert = cacert  # a PEM file of CA certificates for https, else the system's
@@ -96,6 +97,9 @@ class Probe:
         self.api_key = api_key if isinstance(api_key, Secret) else secret(api_key)
         self.check_health = check_health
         self.max_body = max_body
+        # Other evidence that settles the question before the timeout (the
+        # shim's heartbeat gone stale): a reason to stop waiting, or None.
+        self.give_up = give_up
 
     def __repr__(self) -> str:
         key = ", api_key='***'" if self.api_key else ""
@@ -108,7 +112,7 @@ class Probe:
         started = time.monotonic()
         answers: Dict[str, Any] = {}  # bodies that may carry the shim's warning
         try:
-            with _Deadline(self.timeout) as deadline:
+            with _Deadline(self.timeout, self.give_up) as deadline:
                 fields = self._exchange(deadline, answers)
         except _Failed as failure:
             fields = failure.fields
@@ -154,7 +158,7 @@ class Probe:
     ) -> Tuple[int, bytes]:
         remaining = deadline.remaining()
         if remaining <= 0:
-            raise self._timed_out()
+            raise self._timed_out(deadline)
         headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close"}
         body = None
         if payload is not None:
@@ -168,7 +172,7 @@ class Probe:
                 conn.connect()
             except OSError as exc:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
-                    raise self._timed_out() from None
+                    raise self._timed_out(deadline) from None
                 if isinstance(exc, ssl.SSLError):
                     raise _Failed(UNHEALTHY, f"TLS handshake with {target.netloc} failed: {exc}") from None
                 # refused, unknown host, no route
@@ -179,18 +183,21 @@ class Probe:
                 data = response.read(self.max_body + 1)
             except (OSError, http.client.HTTPException) as exc:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
-                    raise self._timed_out() from None
+                    raise self._timed_out(deadline) from None
                 raise _Failed(UNHEALTHY, f"{path}: connection broken: {_oserror(exc)}") from None
         finally:
             conn.close()
         if deadline.expired:  # the body may have been cut short by the deadline
-            raise self._timed_out()
+            raise self._timed_out(deadline)
         if len(data) > self.max_body:
             too_big = f"{path}: body larger than {self.max_body} bytes"
             raise _Failed(UNHEALTHY, too_big, response.status)
         return response.status, data
 
-    def _timed_out(self) -> "_Failed":
+    def _timed_out(self, deadline: "_Deadline") -> "_Failed":
+        if deadline.gave_up:
+            waited = self.timeout - max(0.0, deadline.ends_in())
+            return _Failed(UNHEALTHY, f"no answer after {waited:.0f}s, and {deadline.gave_up}")
         return _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
 
 
@@ -339,7 +346,10 @@ class _Target:
 
 
 class _Deadline:
-    def __init__(self, seconds: float):
+    # How often give_up is asked while the probe waits.
+    GIVE_UP_EVERY_S = 0.5
+
+    def __init__(self, seconds: float, give_up: Optional[Callable[[], Optional[str]]] = None):
         self.seconds = seconds
         self._ends = time.monotonic() + seconds
         self._sockets: List[socket.socket] = []
@@ -347,9 +357,26 @@ class _Deadline:
         self._timer = threading.Timer(max(seconds, 0.0), self._expire)
         self._timer.daemon = True
         self.expired = False
+        self.gave_up: Optional[str] = None  # why the probe stopped waiting early
+        self._give_up = give_up
+        self._done = threading.Event()
 
     def remaining(self) -> float:
         return 0.0 if self.expired else self._ends - time.monotonic()
+
+    def ends_in(self) -> float:
+        return self._ends - time.monotonic()
+
+    def _ask(self) -> None:
+        while not self._done.wait(self.GIVE_UP_EVERY_S):
+            try:
+                why = self._give_up()
+            except Exception:  # noqa: BLE001 - other evidence failing is no reason to stop
+                why = None
+            if why and not self._done.is_set():
+                self.gave_up = why
+                self._expire()
+                return
 
     def track(self, sock: socket.socket) -> None:
         with self._lock:
@@ -367,9 +394,12 @@ class _Deadline:
 
     def __enter__(self) -> "_Deadline":
         self._timer.start()
+        if self._give_up is not None:
+            threading.Thread(target=self._ask, name="probe-give-up", daemon=True).start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._done.set()
         self._timer.cancel()
 
 
