@@ -35,6 +35,9 @@ state, a short reason, and whether to restart. The rule:
       heartbeat's own timestamp, kept within what the watchdog saw between
       its reads (heartbeat.py): a jump of the wall clock shifts it by at
       most the time between two reads.
+      A probe in flight stops waiting once the heartbeat is past the limit
+      (compose.py gives it that check), so a hang is judged about
+      `heartbeat_timeout` after it, never one more probe timeout later.
    b. No heartbeat, process CPU known (the process and its children): at
       least `cpu_busy_fraction` of one core over the interval is progress:
       **busy**. Below that for `failures` consecutive failed probes: **wedged**.
