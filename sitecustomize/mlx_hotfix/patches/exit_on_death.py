@@ -156,11 +156,7 @@ class Lifeline:
         if plan is not None and recovery.recover(generator, exc):
             return
         heartbeat.notify_stopping("generation thread died; exiting")
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+        _flush_output()
         os._exit(settings.exit_code)
 
     def _wait_for_answers(self, deadline):
@@ -205,11 +201,7 @@ class Lifeline:
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
         heartbeat.notify_stopping("stopping (signal %d)" % signum)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+        _flush_output()
         os.kill(os.getpid(), signum)  # its default action again (on_sigterm reset it)
 
     def revive(self):
@@ -235,6 +227,15 @@ def _note_known_bad_pair():
     if warning:
         log.say("this death is likely the known-bad pair: " + warning)
     return warning or None
+
+
+def _flush_output():
+    """Flush stdout and stderr before the process ends without Python's own exit."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed or broken stream must not stop the exit
+            pass
 
 
 def _one_line(exc):
@@ -419,11 +420,7 @@ def _make_main_thread_excepthook(previous):
             "exiting %d" % (exc_type.__name__, _one_line(exc), code)
         )
         heartbeat.notify_stopping("the server stopped listening; exiting")
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
+        _flush_output()
         os._exit(code)
 
     excepthook.__wrapped__ = previous
