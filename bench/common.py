@@ -34,6 +34,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+import requests
+
 from harness import FAULTS_DIR, TINYMODEL  # noqa: F401 - FAULTS_DIR: for the figures
 from harness import server as server_support
 from harness.procs import kill_group
@@ -450,3 +452,11 @@ def run_main(main: Callable[[], int]) -> None:
 
 if __name__ == "__main__":  # `python -m bench.common`: the machine, as the figures describe it
     print(machine_line(machine()))
+
+
+def quiet(call: Callable[[], object]) -> None:
+    """Run a background client request whose answer (or failure) nobody reads."""
+    try:
+        call()
+    except requests.RequestException:
+        pass

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import requests
 
+from bench.common import quiet
 from bench.common import stamp, stamp_line
 from harness import FAULTS_DIR, ROOT
 from harness.procs import chat, kill_group
@@ -78,7 +79,7 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
             return {"error": "never served"}
         time.sleep(6)  # past a probe or two
         arm.touch()
-        threading.Thread(target=lambda: _quiet(lambda: chat(url, max_tokens=20, timeout=90)), daemon=True).start()
+        threading.Thread(target=lambda: quiet(lambda: chat(url, max_tokens=20, timeout=90)), daemon=True).start()
         deadline = time.time() + 90
         struck = None
         while struck is None and time.time() < deadline:
@@ -93,12 +94,6 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
     finally:
         kill_group(sup, grace_s=60)  # SIGTERM: the supervisor stops its child first
 
-
-def _quiet(call):
-    try:
-        call()
-    except requests.RequestException:
-        pass
 
 
 def main() -> int:

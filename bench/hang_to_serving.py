@@ -54,6 +54,7 @@ from typing import Callable, Dict, List, Optional
 import psutil
 import requests
 
+from bench.common import quiet
 from bench.common import (
     FAULTS_DIR,
     Figure,
@@ -113,19 +114,13 @@ def wait_serving(url: str, deadline: float) -> Optional[float]:
 def hang_now(url: str, arm: Path, out, start_line: int) -> Optional[float]:
     """Arm the fault, send one request to strike it, disarm; the hang moment."""
     arm.touch()
-    threading.Thread(target=lambda: _quiet(lambda: chat(url, "tell me a story",
+    threading.Thread(target=lambda: quiet(lambda: chat(url, "tell me a story",
                                                             max_tokens=50, timeout=60)),
                      daemon=True).start()
     hit = out.wait_line(FAULT_LINE, 60, start_line)
     arm.unlink()  # the restarted server must not hang again
     return float(hit[2].group(2)) if hit else None
 
-
-def _quiet(call: Callable[[], object]) -> None:
-    try:
-        call()
-    except requests.RequestException:
-        pass
 
 
 # -- ours: mlx-watchdog supervise, defaults ---------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import requests
 
+from bench.common import quiet
 from bench.common import (
     CLEANUP,
     FAULTS_DIR,
@@ -126,7 +127,7 @@ def run_mode(figure: Figure, mode: str, model: Path, tmp: Path, deaths: int) -> 
         for death in range(deaths):
             time.sleep(6)  # past a probe or two of the supervisor
             arm.touch()
-            threading.Thread(target=_quiet, args=(lambda: chat(url, 16, 120),),
+            threading.Thread(target=quiet, args=(lambda: chat(url, 16, 120),),
                              daemon=True).start()
             deadline, struck = time.time() + 120, None
             while struck is None and time.time() < deadline:
@@ -147,12 +148,6 @@ def run_mode(figure: Figure, mode: str, model: Path, tmp: Path, deaths: int) -> 
         kill_group(sup, wait_s=60)
         CLEANUP.discard(sup)
 
-
-def _quiet(call):
-    try:
-        call()
-    except requests.RequestException:
-        pass
 
 
 def main() -> int:
