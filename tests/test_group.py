@@ -22,6 +22,7 @@ import pytest
 
 from mlx_watchdog import group
 from mlx_watchdog.group import GroupError, GroupHeartbeat, parse_launch
+from harness.fakes import Clock
 from harness.server import python_for
 
 SERVER = ["python", "-m", "mlx_lm", "server", "--model", "m", "--port", "9000"]
@@ -172,23 +173,32 @@ def test_the_shim_reaches_a_remote_rank_through_the_real_launcher(tmp_path):
 # -- per-rank heartbeats ---------------------------------------------------------------
 
 
-def beat(path: Path, *, age: float, rank: int, phase="serving", beats=1):
-    path.write_text(json.dumps({"pid": 100 + rank, "beats": beats, "time": time.time() - age,
+def beat(path: Path, *, age: float, rank: int, phase="serving", beats=1, now=None):
+    now = time.time() if now is None else now
+    path.write_text(json.dumps({"pid": 100 + rank, "beats": beats, "time": now - age,
                                 "phase": phase, "rank": rank, "host": "h"}))
 
 
 def test_a_stale_rank_makes_the_group_heartbeat_stale(tmp_path):
+    # One clock for the files' timestamps and the tracker, moved by hand: a
+    # beat's age is bounded by what the tracker saw itself between reads, so
+    # the test must move time as a real hang would.
+    clock = Clock(1_000_000.0)
     base = tmp_path / "hb.json"
-    tracker = GroupHeartbeat(base)
+    tracker = GroupHeartbeat(base, clock=clock, monotonic=clock)
     assert tracker.sample() is None
-    beat(base, age=0.1, rank=0)
+    beat(base, age=0.1, rank=0, now=clock.now)
     assert tracker.sample().pid == 100
-    beat(Path(f"{base}.rank1"), age=30, rank=1)
+    beat(Path(f"{base}.rank1"), age=0.0, rank=1, now=clock.now)
+    assert tracker.sample() is not None
+    clock.now += 30  # rank 1 stops beating; rank 0 goes on
+    beat(base, age=0.0, rank=0, beats=2, now=clock.now)
     reading = tracker.sample()
     assert reading.pid == 101 and reading.age_s >= 29
-    beat(Path(f"{base}.rank1"), age=0.0, rank=1, beats=2)
-    beat(base, age=40, rank=0, beats=2)
-    assert tracker.sample().pid == 100  # rank 0 waiting in a collective: the group hangs
+    clock.now += 40  # now rank 0 stops (waiting in a collective); rank 1 beats again
+    beat(Path(f"{base}.rank1"), age=0.0, rank=1, beats=2, now=clock.now)
+    reading = tracker.sample()
+    assert reading.pid == 100 and reading.age_s >= 39  # the group hangs
     group.clear_heartbeats(base)
     assert not base.exists() and group.rank_heartbeat_files(base) == []
 
