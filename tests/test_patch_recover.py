@@ -5,12 +5,13 @@ armed per death; model loads traced by the fault injector."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import fault_env
+from tests.conftest import arm_fault, fault_env
 from harness.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
 from harness.server import VERSIONS
 
@@ -33,9 +34,9 @@ def _content(response) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def _die_once(server, arm) -> None:
+def _die_once(server, arm, kind="") -> None:
     """Arm the fault; the next request dies (503) and the server comes back."""
-    arm.touch()
+    arm_fault(arm, kind)
     dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
     assert dying.status_code == 503, (dying.status_code, dying.text, server.log()[-3000:])
     assert "generation thread died" in dying.json()["error"]["message"]
@@ -141,3 +142,39 @@ def test_recover_is_off_by_default_and_says_so(servers, tiny_llama, tmp_path):
     arm.touch()
     assert server.chat(PROMPT, max_tokens=16).status_code == 503
     assert server.wait_exit(60) == 70
+
+
+def test_a_gpu_fault_exits_70_where_a_slice_error_is_recovered_in_place(
+        servers, tiny_llama, tmp_path):
+    """After a GPU timeout macOS rejects the process's GPU work (the penalty
+    box, omlx #3706): only a new process recovers, so recover never tries."""
+    arm = tmp_path / "arm"
+    reports = tmp_path / "reports"
+    env = fault_env("raise:armed:decode:2", arm)
+    env.update(MLX_HOTFIX_RECOVER="thread", MLX_TEST_FAULT_ONESHOT="1", MLX_TEST_TRACE_LOADS="1",
+               MLX_HOTFIX_REPORT_DIR=str(reports),
+               MLX_HOTFIX_HEARTBEAT_FILE=str(tmp_path / "heartbeat.json"))
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.warm_up()
+    pid = server.proc.pid
+
+    # A slice error (mlx-lm #1505) is recovered in place, as before.
+    _die_once(server, arm, "slice")
+    assert _content(server.chat(PROMPT, max_tokens=8))
+    assert server.proc.pid == pid and server.log().count(LOAD_LINE) == 1
+
+    # A GPU timeout is not: the clients are answered and the process exits 70.
+    arm_fault(arm, "gputimeout")
+    dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
+    assert dying.status_code == 503, (dying.status_code, dying.text)
+    assert server.wait_exit(60) == 70, server.log()[-3000:]
+    lines = server.hotfix_lines()
+    assert ("mlx-hotfix: not recovering in place: gpu-timeout (a GPU command buffer ran past the "
+            "macOS GPU watchdog) is a GPU fault; only a new process recovers from it") in lines
+    assert sum("recovering in place (" in line for line in lines) == 1, lines  # the slice's
+    assert lines[-1].startswith("mlx-hotfix: generation thread died: RuntimeError: [METAL] "
+                                "Command buffer execution failed: Caused GPU Timeout Error"), lines
+    assert lines[-1].endswith("; exiting 70"), lines
+    assert server.log().count(LOAD_LINE) == 1
+    kinds = sorted(name.split("-")[3] for name in os.listdir(reports) if name.endswith(".json"))
+    assert kinds == ["died", "recovered"], kinds
