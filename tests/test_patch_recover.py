@@ -5,6 +5,7 @@ armed per death; model loads traced by the fault injector."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -178,3 +179,31 @@ def test_a_gpu_fault_exits_70_where_a_slice_error_is_recovered_in_place(
     assert server.log().count(LOAD_LINE) == 1
     kinds = sorted(name.split("-")[3] for name in os.listdir(reports) if name.endswith(".json"))
     assert kinds == ["died", "recovered"], kinds
+
+
+def test_which_deaths_recover_refuses_in_place():
+    """The decision alone, in the shim's own interpreter (no server): every
+    kind the fault injector raises, by the class its real text has."""
+    code = r"""
+import importlib.util, json, os
+spec = importlib.util.spec_from_file_location("faults", os.path.join("harness", "faults", "sitecustomize.py"))
+faults = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(faults)
+from mlx_hotfix.patches import recover
+print(json.dumps({kind: recover.cannot_recover_in_place(error(message))
+                  for kind, (error, message) in faults._MESSAGES.items()}))
+"""
+    from harness.server import ROOT, run_python
+
+    run = run_python("0.32.2", code, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    refused = json.loads(run.stdout.strip().splitlines()[-1])
+    for kind in ("typeerror", "resource", "slice", "broadcast", "extract"):
+        assert refused[kind] is None, (kind, refused[kind])
+    for kind, cls in (("gputimeout", "gpu-timeout"), ("penaltybox", "gpu-penalty-box"),
+                      ("invalidresource", "gpu-invalid-resource"), ("metaloom", "metal-oom")):
+        assert refused[kind].startswith(f"not recovering in place: {cls} ("), refused[kind]
+        assert refused[kind].endswith("is a GPU fault; only a new process recovers from it")
+    assert refused["ringlost"] == (
+        "not recovering in place: ring-peer-lost (a ring peer went away (mlx 0.32.1 and later)) "
+        "is a distributed group's failure; only the whole group restarted recovers")

@@ -25,8 +25,9 @@ At most MLX_HOTFIX_RECOVER_LIMIT recoveries in MLX_HOTFIX_RECOVER_WINDOW s;
 past that, on a death during the model load, on a GPU fault (a class the
 table of signatures marks gpu_fault: GPU timeout, penalty box, invalid
 resource, Metal out of memory; after one, macOS rejects this process's GPU
-work, so only a new process recovers), or on any failure while recovering,
-the process exits 70 as without this part.
+work, so only a new process recovers), on a distributed group's failure (a
+lost ring or JACCL peer: only the whole group restarted recovers), or on any
+failure while recovering, the process exits 70 as without this part.
 
 Test: tests/test_patch_recover.py (same PID, no load, same greedy output as a
 fresh server; twenty deaths with no growth; past the limit exits 70; a GPU
@@ -87,7 +88,7 @@ class Recovery:
         self.refused = None
         if during_startup:
             return None  # no model to reuse
-        self.refused = gpu_fault(exc)
+        self.refused = cannot_recover_in_place(exc)
         if self.refused:
             log.say(self.refused)
             return None
@@ -243,18 +244,23 @@ class _LoopWorker:
             self.parked.set()
 
 
-def gpu_fault(exc):
-    """Why this death cannot be recovered in place (a GPU fault), or None."""
+def cannot_recover_in_place(exc):
+    """Why this death cannot be recovered in place (a GPU fault, a group's
+    failure), or None."""
     try:
         from .. import signatures
 
         match = signatures.classify(exc.__class__.__name__, str(exc))
     except Exception:  # noqa: BLE001 - an unclassified death recovers as before
         return None
-    if not match.entry.gpu_fault:
+    entry = match.entry
+    if entry.gpu_fault:
+        why = "is a GPU fault; only a new process recovers from it"
+    elif entry.group:
+        why = "is a distributed group's failure; only the whole group restarted recovers"
+    else:
         return None
-    return ("not recovering in place: %s (%s) is a GPU fault; only a new process "
-            "recovers from it" % (match.cls, match.entry.title))
+    return "not recovering in place: %s (%s) %s" % (match.cls, entry.title, why)
 
 
 def _write_report(exc, number):
