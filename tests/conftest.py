@@ -67,3 +67,11 @@ def fault_env(spec: str, arm_file: Path | None = None, *, shim: bool = True) -> 
     if arm_file is not None:
         env["MLX_TEST_FAULT_ARM_FILE"] = str(arm_file)
     return env
+
+
+def arm_fault(arm_file: Path, kind: str = "") -> None:
+    """Arm a fault; with MLX_TEST_FAULT=raise:armed:..., the kind it raises.
+    Written whole, then renamed: the server never reads a half-written file."""
+    part = arm_file.with_name(arm_file.name + ".part")
+    part.write_text(kind)
+    os.replace(part, arm_file)

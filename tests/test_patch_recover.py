@@ -5,12 +5,14 @@ armed per death; model loads traced by the fault injector."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import psutil
 import pytest
 
-from tests.conftest import fault_env
+from tests.conftest import arm_fault, fault_env
 from harness.repro import EXTEND_CRASH_ARGS, send_extend_crash_pair, warm_up_with_penalty
 from harness.server import VERSIONS
 
@@ -33,9 +35,9 @@ def _content(response) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def _die_once(server, arm) -> None:
+def _die_once(server, arm, kind="") -> None:
     """Arm the fault; the next request dies (503) and the server comes back."""
-    arm.touch()
+    arm_fault(arm, kind)
     dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
     assert dying.status_code == 503, (dying.status_code, dying.text, server.log()[-3000:])
     assert "generation thread died" in dying.json()["error"]["message"]
@@ -141,3 +143,67 @@ def test_recover_is_off_by_default_and_says_so(servers, tiny_llama, tmp_path):
     arm.touch()
     assert server.chat(PROMPT, max_tokens=16).status_code == 503
     assert server.wait_exit(60) == 70
+
+
+def test_a_gpu_fault_exits_70_where_a_slice_error_is_recovered_in_place(
+        servers, tiny_llama, tmp_path):
+    """After a GPU timeout macOS rejects the process's GPU work (the penalty
+    box, omlx #3706): only a new process recovers, so recover never tries."""
+    arm = tmp_path / "arm"
+    reports = tmp_path / "reports"
+    env = fault_env("raise:armed:decode:2", arm)
+    env.update(MLX_HOTFIX_RECOVER="thread", MLX_TEST_FAULT_ONESHOT="1", MLX_TEST_TRACE_LOADS="1",
+               MLX_HOTFIX_REPORT_DIR=str(reports),
+               MLX_HOTFIX_HEARTBEAT_FILE=str(tmp_path / "heartbeat.json"))
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.warm_up()
+    pid = server.proc.pid
+
+    # A slice error (mlx-lm #1505) is recovered in place, as before.
+    _die_once(server, arm, "slice")
+    assert _content(server.chat(PROMPT, max_tokens=8))
+    assert server.proc.pid == pid and server.log().count(LOAD_LINE) == 1
+
+    # A GPU timeout is not: the clients are answered and the process exits 70.
+    arm_fault(arm, "gputimeout")
+    dying = server.chat(PROMPT + " again", max_tokens=16, timeout=60)
+    assert dying.status_code == 503, (dying.status_code, dying.text)
+    assert server.wait_exit(60) == 70, server.log()[-3000:]
+    lines = server.hotfix_lines()
+    assert ("mlx-hotfix: not recovering in place: gpu-timeout (a GPU command buffer ran past the "
+            "macOS GPU watchdog) is a GPU fault; only a new process recovers from it") in lines
+    assert sum("recovering in place (" in line for line in lines) == 1, lines  # the slice's
+    assert lines[-1].startswith("mlx-hotfix: generation thread died: RuntimeError: [METAL] "
+                                "Command buffer execution failed: Caused GPU Timeout Error"), lines
+    assert lines[-1].endswith("; exiting 70"), lines
+    assert server.log().count(LOAD_LINE) == 1
+    kinds = sorted(name.split("-")[3] for name in os.listdir(reports) if name.endswith(".json"))
+    assert kinds == ["died", "recovered"], kinds
+
+
+def test_which_deaths_recover_refuses_in_place():
+    """The decision alone, in the shim's own interpreter (no server): every
+    kind the fault injector raises, by the class its real text has."""
+    code = r"""
+import importlib.util, json, os
+spec = importlib.util.spec_from_file_location("faults", os.path.join("harness", "faults", "sitecustomize.py"))
+faults = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(faults)
+from mlx_hotfix.patches import recover
+print(json.dumps({kind: recover.cannot_recover_in_place(error(message))
+                  for kind, (error, message) in faults._MESSAGES.items()}))
+"""
+    from harness.server import ROOT, run_python
+
+    run = run_python("0.32.2", code, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    refused = json.loads(run.stdout.strip().splitlines()[-1])
+    for kind in ("typeerror", "resource", "slice", "broadcast", "extract"):
+        assert refused[kind] is None, (kind, refused[kind])
+    for kind, cls in (("gputimeout", "gpu-timeout"), ("penaltybox", "gpu-penalty-box"),
+                      ("invalidresource", "gpu-invalid-resource"), ("metaloom", "metal-oom")):
+        assert refused[kind].startswith(f"not recovering in place: {cls} ("), refused[kind]
+        assert refused[kind].endswith("is a GPU fault; only a new process recovers from it")
+    assert refused["ringlost"] == (
+        "not recovering in place: ring-peer-lost (a ring peer went away (mlx 0.32.1 and later)) "
+        "is a distributed group's failure; only the whole group restarted recovers")

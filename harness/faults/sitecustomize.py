@@ -16,7 +16,11 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
 step or batch (BatchGenerator.next: every threaded release, 0.28.4 on).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
-reported upstream, with their real messages).
+reported upstream, with their real messages); gputimeout, penaltybox,
+invalidresource, metaloom (the Metal errors mlx 0.32 raises as RuntimeError);
+ringlost (a ring peer lost, mlx 0.32.1+); or armed: the kind written in the
+arm file, read when the fault strikes, so one server can die of several (write
+the arm file whole, then rename it into place: tests/conftest.py arm_fault).
 
 MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
 (set by mlx.launch for each rank of a distributed group) is N.
@@ -58,7 +62,20 @@ _MESSAGES = {
     "slice": (ValueError, "Slice indices must be 32-bit integers."),
     "broadcast": (ValueError, "[broadcast_shapes] Shapes (1,8,1,16) and (1,8,1,0) cannot be broadcast."),
     "extract": (IndexError, "list index out of range (in extract_cache)"),
+    # mlx backend/metal/device.cpp: "[METAL] Command buffer execution failed: {}.",
+    # with Metal's own description of the error (see mlx_hotfix/signatures.py).
+    "gputimeout": (RuntimeError, "[METAL] Command buffer execution failed: Caused GPU Timeout "
+                   "Error (00000002:kIOGPUCommandBufferCallbackErrorTimeout)."),
+    "penaltybox": (RuntimeError, "[METAL] Command buffer execution failed: Ignored (for causing "
+                   "prior/excessive GPU errors) "
+                   "(00000004:kIOGPUCommandBufferCallbackErrorSubmissionsIgnored)."),
+    "invalidresource": (RuntimeError, "[METAL] Command buffer execution failed: Invalid Resource "
+                        "(00000009:kIOGPUCommandBufferCallbackErrorInvalidResource)."),
+    "metaloom": (RuntimeError, "[METAL] Command buffer execution failed: Insufficient Memory "
+                 "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)."),
+    "ringlost": (RuntimeError, "[ring] connection to a peer was lost"),
 }
+_ARMED = "armed"  # the kind is the arm file's content
 
 _TARGETS = {
     "load": ("mlx_lm.server", "ModelProvider", "load_default"),
@@ -84,14 +101,27 @@ def _parse(spec):
         raise ValueError("MLX_TEST_FAULT: unknown action %r" % action)
     if where not in _TARGETS:
         raise ValueError("MLX_TEST_FAULT: unknown place %r" % where)
-    if kind is not None and kind not in _MESSAGES:
+    if kind is not None and kind not in _MESSAGES and kind != _ARMED:
         raise ValueError("MLX_TEST_FAULT: unknown kind %r" % kind)
+    if kind == _ARMED and not os.environ.get("MLX_TEST_FAULT_ARM_FILE"):
+        raise ValueError("MLX_TEST_FAULT: kind armed needs MLX_TEST_FAULT_ARM_FILE")
     return action, kind, where, after
 
 
 def _armed():
     arm_file = os.environ.get("MLX_TEST_FAULT_ARM_FILE")
     return not arm_file or os.path.exists(arm_file)
+
+
+def _error(kind):
+    """The exception to raise for kind; for "armed", the kind in the arm file."""
+    if kind == _ARMED:
+        with open(os.environ["MLX_TEST_FAULT_ARM_FILE"]) as handle:
+            kind = handle.read().strip()
+        if kind not in _MESSAGES:
+            return ValueError("MLX_TEST_FAULT: the arm file names no kind (%r)" % kind)
+    error, message = _MESSAGES[kind]
+    return error(message)
 
 
 def _inject(module, action, kind, where, after):
@@ -107,6 +137,7 @@ def _inject(module, action, kind, where, after):
         if _armed():
             calls[0] += 1
             if calls[0] > after:
+                error = _error(kind) if action == "raise" else None  # before a one-shot unarms
                 sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
                 sys.stderr.flush()
                 if os.environ.get("MLX_TEST_FAULT_ONESHOT") == "1":
@@ -116,8 +147,7 @@ def _inject(module, action, kind, where, after):
                     except (KeyError, OSError):
                         pass
                 if action == "raise":
-                    error, message = _MESSAGES[kind]
-                    raise error(message)
+                    raise error
                 if action == "livelock":
                     return [], []
                 if action == "hang":

@@ -22,11 +22,16 @@ How (the exit part's Lifeline asks this part's policy, see exit_on_death.py):
 5. /health stays 503 (the Lifeline stays dead) until the fresh loop's first
    pass; meanwhile the heartbeat and systemd get stand-in beats.
 At most MLX_HOTFIX_RECOVER_LIMIT recoveries in MLX_HOTFIX_RECOVER_WINDOW s;
-past that, on a death during the model load, or on any failure while
-recovering, the process exits 70 as without this part.
+past that, on a death during the model load, on a GPU fault (a class the
+table of signatures marks gpu_fault: GPU timeout, penalty box, invalid
+resource, Metal out of memory; after one, macOS rejects this process's GPU
+work, so only a new process recovers), on a distributed group's failure (a
+lost ring or JACCL peer: only the whole group restarted recovers), or on any
+failure while recovering, the process exits 70 as without this part.
 
 Test: tests/test_patch_recover.py (same PID, no load, same greedy output as a
-fresh server; twenty deaths with no growth; past the limit exits 70).
+fresh server; twenty deaths with no growth; past the limit exits 70; a GPU
+timeout exits 70 where a slice error is recovered).
 """
 
 import collections
@@ -76,16 +81,23 @@ class Recovery:
         self._keeper_done = None
         self._worker = None
         self.recovered = 0
+        self.refused = None  # why the last death was not recovered in place, for its report
 
     # -- called by Lifeline._reap ----------------------------------------------
     def plan(self, exc, during_startup):
+        self.refused = None
         if during_startup:
             return None  # no model to reuse
+        self.refused = cannot_recover_in_place(exc)
+        if self.refused:
+            log.say(self.refused)
+            return None
         now = time.monotonic()
         while self._times and now - self._times[0] >= self._window:
             self._times.popleft()
         if len(self._times) >= self._limit:
-            log.say("recovery limit reached (%d in %g s)" % (self._limit, self._window))
+            self.refused = "recovery limit reached (%d in %g s)" % (self._limit, self._window)
+            log.say(self.refused)
             return None
         self._times.append(now)
         self._start_stand_in()
@@ -230,6 +242,25 @@ class _LoopWorker:
             if self._generator._stop:
                 return  # the server shuts down (stop_and_join)
             self.parked.set()
+
+
+def cannot_recover_in_place(exc):
+    """Why this death cannot be recovered in place (a GPU fault, a group's
+    failure), or None."""
+    try:
+        from .. import signatures
+
+        match = signatures.classify(exc.__class__.__name__, str(exc))
+    except Exception:  # noqa: BLE001 - an unclassified death recovers as before
+        return None
+    entry = match.entry
+    if entry.gpu_fault:
+        why = "is a GPU fault; only a new process recovers from it"
+    elif entry.group:
+        why = "is a distributed group's failure; only the whole group restarted recovers"
+    else:
+        return None
+    return "not recovering in place: %s (%s) %s" % (match.cls, entry.title, why)
 
 
 def _write_report(exc, number):
