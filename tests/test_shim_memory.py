@@ -21,6 +21,7 @@ import time
 import pytest
 
 from harness.server import SHIM_DIR, VERSIONS, base_env
+from mlx_watchdog.memory import parse_heartbeat_memory
 from tests.test_shim_stall import health, read, wait_for
 
 MEASURED = {"rss", "mlx_active", "mlx_cache", "mlx_peak", "prompt_cache_bytes",
@@ -70,6 +71,9 @@ def test_memory_in_the_beat_and_health_and_a_trim_on_request(servers, tiny_llama
     assert trimmed["prompt_cache_bytes"] == before["prompt_cache_bytes"] - after[
         "prompt_cache_bytes"]
     assert "mlx_cache_bytes" in trimmed and after["mlx_cache"] == 0  # mx.clear_cache()
+    seen = parse_heartbeat_memory(after)  # the other side of the seam: the watchdog's reader
+    assert seen.trimmed_request == 7 and seen.prompt_cache_bytes == after["prompt_cache_bytes"]
+    assert seen.trimmed_bytes == trimmed["prompt_cache_bytes"] + trimmed["mlx_cache_bytes"]
     assert [line for line in server.hotfix_lines() if "memory: trimmed on request 7" in line]
     status, body = health(server)
     assert (status, body["status"]) == (503, "memory") and body["memory"]["trimmed"] == trimmed
