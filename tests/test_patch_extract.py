@@ -11,22 +11,15 @@ extracted values and the tokens decoded on from them are identical.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT
-from harness.server import VERSIONS, run_python
+from harness.server import VERSIONS, run_probe, run_python
 
 
 def probe(version: str, model: Path, *, patched: bool) -> dict:
-    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_module('harness.extract_probe', run_name='__main__')")
-    result = run_python(version, code, args=["extract_probe", str(model)],
-                        env={"MLX_HOTFIX": "1" if patched else "0"}, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_probe(version, "extract_probe", str(model), patched=patched)
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
