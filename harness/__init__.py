@@ -14,6 +14,7 @@ the root (``python -m bench.throughput``, ``python -m scripts.demo``).
     tinymodel.py     tiny random-weight models on disk (no hub download)
     repro.py         the upstream two-request ``extend`` crash
     advance_probe.py measures ArraysCache.advance, stock or patched (a script)
+    extract_probe.py measures ArraysCache.extract, stock or patched (a script)
     haproxy.py       a real haproxy in front of the server (health-check tests)
     faults/          the fault injector: a sitecustomize folder for PYTHONPATH
 """

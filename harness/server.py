@@ -250,3 +250,15 @@ def run_python(version: str, code: str, *, shim: bool = True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_probe(version: str, module: str, *args: str, patched: bool,
+              timeout: float = 600) -> dict:
+    """Run harness.<module> as a script in the venv of an mlx-lm release,
+    with the shim on (patched) or inert; its last stdout line, as JSON."""
+    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
+            f"runpy.run_module('harness.{module}', run_name='__main__')")
+    result = run_python(version, code, args=[module, *args], cwd=ROOT, timeout=timeout,
+                        env={"MLX_HOTFIX": "1" if patched else "0"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -8,25 +8,17 @@ stale graph must stay a few nodes deep instead of one node per step.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from harness import ADVANCE_PROBE, ROOT
-from harness.server import VERSIONS, run_python
+from harness.server import VERSIONS, run_probe, run_python
 
-PROBE = ADVANCE_PROBE
 STEPS = 300
 
 
 def probe(version: str, model: Path, *, patched: bool) -> dict:
-    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-            "runpy.run_module('harness.advance_probe', run_name='__main__')")
-    result = run_python(version, code, args=[str(PROBE), str(model), str(STEPS)],
-                        env={"MLX_HOTFIX": "1" if patched else "0"}, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_probe(version, "advance_probe", str(model), str(STEPS), patched=patched)
 
 
 @pytest.fixture(scope="module", params=VERSIONS)

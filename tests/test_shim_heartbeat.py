@@ -130,5 +130,5 @@ def test_stalled_from_no_delivery_while_turning_and_from_a_loop_that_stopped(tmp
     assert out["record"] == sorted([
         "pid", "started", "beats", "time", "phase", "in_flight", "delivered",
         "last_delivery", "prompt_tokens", "decode_tokens", "requests", "cancelled",
-        "rank", "host"])
+        "rank", "host", "memory"])
     assert "stalled: 1 request(s) in flight" in result.stderr

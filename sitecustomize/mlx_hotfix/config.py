@@ -19,7 +19,8 @@ MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long:
 
 import os
 
-PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
+PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "prompt_cache_bytes",
+         "extract")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None

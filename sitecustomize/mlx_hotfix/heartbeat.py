@@ -33,7 +33,7 @@ import os
 import threading
 import time
 
-from . import config
+from . import config, memory
 from ._files import write_atomically
 
 LOADING, SERVING, STALLED = "loading", "serving", "stalled"
@@ -135,6 +135,8 @@ def record(phase):
     }
     if warning():
         data["warning"] = warning()
+    # memory.py: sampled once per interval; the loop's own beat may serve a trim.
+    data["memory"] = memory.fields(trim_point=on_generation_thread() and not _stopped)
     return data
 
 
@@ -258,12 +260,14 @@ def health():
     current = LOADING if (not _loop_running or _loading or not listening()) else (
         STALLED if _check_stall(now) else SERVING)
     if current == LOADING:
-        return 503, {"status": "loading"}
+        return 503, {"status": "loading", "memory": memory.fields()}
     age = None if _last_delivery_mono is None else round(now - _last_delivery_mono, 3)
-    body = {"in_flight": _in_flight, "last_delivery_age_s": age}
+    body = {"in_flight": _in_flight, "last_delivery_age_s": age, "memory": memory.fields()}
     if current == STALLED:
         body = dict(status="stalled", stall_timeout_s=config.current().stall_timeout, **body)
         return 503, body
+    if memory.soft():  # the watchdog's soft line: new work goes elsewhere
+        return 503, dict(status="memory", **body)
     return 200, dict(status="ok", **body)
 
 
@@ -276,6 +280,7 @@ def generation_thread_started(generator):
     if threading.current_thread() is not getattr(generator, "_generation_thread", None):
         return
     _generation_ident = threading.get_ident()
+    memory.attach(generator)
     if getattr(generator, "_is_distributed", False):
         _rank = getattr(generator, "_rank", None)
     _beat_file(LOADING)
