@@ -258,3 +258,16 @@ def test_watch_check_reports_errors_and_starts_nothing(tmp_path):
     good.write_text(GOOD)
     result = CliRunner().invoke(main, ["watch", "--config", str(good), "--check"])
     assert result.exit_code == 0 and "5 instance(s)" in result.output
+
+
+def test_a_retired_key_still_starts_with_a_warning(tmp_path):
+    # backoff_reset is gone (a start that served ends the backoff): an old
+    # config must still start its watchdog, and say what to remove.
+    path = write(tmp_path, minimal("backoff_reset = 600"))
+    config = load_config(path)
+    assert len(config.instances) == 1
+    assert config.warnings == (f"{path}: instances.a.backoff_reset: no longer used: a start "
+                               "that served ends the backoff at once (the next restart is "
+                               "immediate); remove it",)
+    result = CliRunner().invoke(main, ["watch", "--config", str(path), "--check"])
+    assert result.exit_code == 0 and "backoff_reset: no longer used" in result.stderr

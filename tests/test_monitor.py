@@ -457,3 +457,25 @@ def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
     assert f"  WARNING: {BAD_PAIR}" in text.splitlines()  # shown although healthy
     del data["instances"]["gemma"]["warning"]
     assert "WARNING" not in format_status(data, now=1000.0, pid_alive=lambda pid: True)
+
+
+# -- a start that served ends the backoff (issue 18) ---------------------------
+
+
+@pytest.mark.parametrize("started, delivered, served", [
+    (1001.0, 12, True),  # the new server delivered between probes
+    (1001.0, 0, False),  # loaded, nothing delivered yet
+    (900.0, 12, False),  # the previous process's file
+])
+def test_a_new_server_whose_heartbeat_delivered_ends_the_backoff(tmp_path, started,
+                                                                 delivered, served):
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    monitor = make_monitor(tmp_path, [TIMEOUT], action=FakeAction())
+    monitor.started()
+    for _ in range(3):  # three starts that never served
+        monitor.policy.record_restart(monitor.clock())
+    monitor.heartbeat = FakeHeartbeat(HeartbeatReading(
+        age_s=0.5, phase="serving", beats=5, pid=7, started=started, delivered=delivered))
+    assert monitor.tick().state == BUSY  # the probe failed, the loop beats
+    assert monitor.policy.restarts_in_a_row == (0 if served else 3)

@@ -40,7 +40,6 @@ def restart_policy(instance: InstanceConfig) -> RestartPolicy:
         max_restarts=instance.max_restarts,
         window_s=instance.restart_window,
         backoff_max_s=instance.backoff_max,
-        backoff_reset_s=instance.backoff_reset,
     )
 
 

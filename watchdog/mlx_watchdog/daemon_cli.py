@@ -134,15 +134,13 @@ def _daemon_options(f: Callable) -> Callable:
 @_number_option(
     "--backoff-max",
     defaults.BACKOFF_MAX_S,
-    "The longest wait before a restart; the wait starts at 1 s and doubles.",
+    "The longest wait before restarting a server that never served; the wait starts "
+    "at 1 s and doubles. A server that served is restarted at once.",
     kind=_SECONDS_OR_ZERO,
 )
-@_number_option(
-    "--backoff-reset",
-    defaults.BACKOFF_RESET_S,
-    "Seconds the server must stay healthy before the backoff starts again from 1 s.",
-    kind=_SECONDS_OR_ZERO,
-)
+@click.option("--backoff-reset", type=_SECONDS_OR_ZERO, default=None, hidden=True,
+              help="No longer used (a start that served ends the backoff); accepted "
+              "with a warning.")
 @click.option(
     "--report-dir",
     type=click.Path(file_okay=False),
@@ -192,7 +190,7 @@ def supervise_command(
     stop_grace: float,
     max_restarts: int,
     backoff_max: float,
-    backoff_reset: float,
+    backoff_reset: Optional[float],
     report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
@@ -257,7 +255,6 @@ def supervise_command(
             max_restarts=max_restarts,
             restart_window=restart_window,
             backoff_max=backoff_max,
-            backoff_reset=backoff_reset,
             stop_grace=stop_grace,
             report_dir=report_dir,
         )
@@ -272,6 +269,10 @@ def supervise_command(
             state=state,
         )
         supervisor.events.info("supervise", f"supervising {command[0]}, probing {url}")
+        if backoff_reset is not None:
+            from .config import RETIRED
+
+            supervisor.events.warning("option", f"--backoff-reset: {RETIRED['backoff_reset']}")
         try:
             code = supervisor.run()
         except SupervisorError as exc:
@@ -306,9 +307,13 @@ def watch_command(
         raise click.ClickException(str(exc)) from None
     names = [i.name for i in config.instances]
     if check:
+        for warning in config.warnings:
+            click.echo(f"warning: {warning}", err=True)
         click.echo(f"{config_path}: OK, {len(names)} instance(s): {', '.join(names)}")
         return
     setup_logging(log_format or config.log_format)
+    for warning in config.warnings:
+        Events().warning("config", warning)
     metrics = _metrics(metrics_port or config.metrics_port, metrics_host or config.metrics_host)
     state = StateStore(state_file or config.state_file or default_state_path())
     monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}

@@ -57,6 +57,7 @@ class HeartbeatReading:
     started: Optional[float] = None
     in_flight: Optional[int] = None
     warning: Optional[str] = None
+    delivered: Optional[int] = None  # tokens this process delivered to clients
 
 
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
@@ -207,6 +208,7 @@ class HeartbeatTracker:
             started=beat.started,
             in_flight=beat.in_flight,
             warning=beat.warning,
+            delivered=beat.delivered,
         )
 
     def _judged(self, beat: Optional[Heartbeat]):

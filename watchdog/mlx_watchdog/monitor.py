@@ -145,6 +145,8 @@ class Monitor:
             self._process_problem = sample.problem
         if probe.ok:
             self.policy.healthy(now)
+        elif self._delivered(beat):
+            self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
             verdict = self.restart(verdict)
         self.report(verdict, probe)
@@ -301,6 +303,10 @@ class Monitor:
             and beat.started is not None
             and beat.started >= self._boot_wall - self._START_SLACK_S
         )
+
+    def _delivered(self, beat: Optional[HeartbeatReading]) -> bool:
+        """The new server's own heartbeat says it delivered tokens."""
+        return self._loaded(beat) and bool(beat.delivered)
 
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.
