@@ -385,7 +385,7 @@ class FakeHeartbeat:
         self.reading = reading
         self.resets = 0
 
-    def sample(self):
+    def observe(self, record):
         return self.reading
 
     def reset(self):

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
-from .heartbeat import HeartbeatReading, HeartbeatTracker
+from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
+from .safefile import read_regular
 from .urls import WILDCARD_HOSTS, bind_host, url_from_command
 
 LAUNCH_MODULES = ("mlx.launch", "mlx._distributed_utils.launch")
@@ -201,6 +202,14 @@ def parse_launch(argv: Sequence[str], *, read_hostfile: bool = True) -> Optional
     return LaunchCommand(launcher, options, server, hosts, backend, hostfile)
 
 
+_HOSTFILE_BYTES = 1 << 20
+
+
+def _read_hostfile(path: "str | os.PathLike[str]") -> object:
+    # A regular file only: a FIFO there would block install and doctor.
+    return json.loads(read_regular(path, _HOSTFILE_BYTES))
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -212,7 +221,7 @@ def _is_ip(name: str) -> bool:
 def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str]]:
     """The hosts (rank order) and backend of an mlx.launch JSON hostfile."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = _read_hostfile(path)
     except FileNotFoundError:
         raise GroupError(f"hostfile {path} does not exist") from None
     except (OSError, ValueError) as exc:
@@ -262,7 +271,7 @@ def localize_hostfile(path: "str | os.PathLike[str]", out: "str | os.PathLike[st
     """Write a copy of the hostfile in which this machine's names (localhost,
     its hostname, a loopback address) read 127.0.0.1, the one name mlx.launch
     runs without ssh. True if anything changed (then use `out`)."""
-    data = json.loads(Path(path).read_text())
+    data = _read_hostfile(path)
     entries = data.get("hosts") if isinstance(data, dict) else data
     changed = False
     for entry in entries or []:
@@ -416,20 +425,33 @@ class GroupHeartbeat:
     For a lone server only the one file exists and this is a HeartbeatTracker.
     The worst reading: a rank whose own record says it stalled, else the
     oldest beat. So a rank that stops beating makes the group's heartbeat
-    stale, whatever the others do.
+    stale, whatever the others do. Owned by one thread, as HeartbeatTracker;
+    `accepted` covers every rank.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", **tracker_options):
         self.path = path
         self._options = tracker_options
         self._trackers: Dict[str, HeartbeatTracker] = {}
+        self.accepted: Dict[str, int] = {}
 
     def sample(self) -> Optional[HeartbeatReading]:
+        return self.observe(read_record(self.path))
+
+    def observe(self, record: Optional[dict]) -> Optional[HeartbeatReading]:
+        """The worst reading, rank 0's from record (read by the caller), the
+        other ranks' read here."""
         files = [str(self.path), *rank_heartbeat_files(self.path)]
         for file in files:
             if file not in self._trackers:
                 self._trackers[file] = HeartbeatTracker(file, **self._options)
-        readings = [r for r in (t.sample() for t in self._trackers.values()) if r is not None]
+        rank0, *others = self._trackers.values()
+        readings = [r for r in (rank0.observe(record), *(t.sample() for t in others))
+                    if r is not None]
+        accepted: Dict[str, int] = {}
+        for tracker in self._trackers.values():
+            accepted.update(tracker.accepted)
+        self.accepted = accepted
         if not readings:
             return None
         return max(readings, key=lambda r: (r.phase not in ("loading", "serving"), r.age_s))
@@ -442,6 +464,7 @@ class GroupHeartbeat:
 
     def reset(self) -> None:
         self._trackers.clear()
+        self.accepted = {}
 
 
 def heartbeat_tracker(path: "str | os.PathLike[str]", **options) -> GroupHeartbeat:

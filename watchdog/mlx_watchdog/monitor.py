@@ -8,13 +8,14 @@ monitors; everything a tick touches is injected, so tests drive it with fakes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from .act import ActionResult
 from .policy import RestartPolicy
-from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
+from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
@@ -61,6 +62,7 @@ class Monitor:
         action: Optional[RestartAction],  # None: watch and report, never restart
         url: str = "",
         heartbeat: Optional[HeartbeatTracker] = None,
+        heartbeat_file: "Optional[str | os.PathLike[str]]" = None,  # read once per tick
         process: Optional[ProcessEvidence] = None,
         listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
         events: Optional[Events] = None,
@@ -78,6 +80,7 @@ class Monitor:
         self.action = action
         self.url = redact_url(url)
         self.heartbeat = heartbeat
+        self.heartbeat_file = heartbeat_file
         self.process = process
         self.listener = listener  # listener.ListenerCheck: who holds the port
         self._heartbeat_problem: Optional[str] = None
@@ -117,11 +120,14 @@ class Monitor:
         # A failed probe is when CPU time matters: then look for new child
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
-        beat = self.heartbeat.sample() if self.heartbeat else None
+        # One read of the heartbeat file for all its readers (safe: no link,
+        # no FIFO), so they agree, and a planted FIFO cannot block the tick.
+        record = read_record(self.heartbeat_file) if self.heartbeat_file else None
+        beat = self.heartbeat.observe(record) if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
         port_held_by = self.listener(probe) if self.listener else None
-        self._observe_server()
+        self._observe_server(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -167,10 +173,10 @@ class Monitor:
         self.report(verdict)
         return verdict
 
-    def _observe_server(self) -> None:
-        """Throughput counters from the heartbeat, and new crash reports."""
+    def _observe_server(self, record: Optional[Dict[str, Any]]) -> None:
+        """Throughput counters from the heartbeat record, and new crash reports."""
         if self.throughput is not None:
-            reading = self.throughput.sample()
+            reading = self.throughput.observe(record)
             if reading is not None:
                 if self.metrics is not None:
                     self.metrics.observe_throughput(self.name, reading)
