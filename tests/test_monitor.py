@@ -479,3 +479,41 @@ def test_a_new_server_whose_heartbeat_delivered_ends_the_backoff(tmp_path, start
         age_s=0.5, phase="serving", beats=5, pid=7, started=started, delivered=delivered))
     assert monitor.tick().state == BUSY  # the probe failed, the loop beats
     assert monitor.policy.restarts_in_a_row == (0 if served else 3)
+
+
+def test_a_watch_thread_survives_a_failing_start_and_says_each_failure_once(logs):
+    # monitor.started() raising used to end the thread, unnoticed: the
+    # instance was never watched again. Every failure is said once.
+    ticks = threading.Event()
+
+    class Failing:
+        state = None
+
+        def __init__(self):
+            self.name = "a"
+            self.events = Events("a")
+            self.starts = self.calls = 0
+
+        def started(self):
+            self.starts += 1
+            if self.starts == 1:
+                raise RuntimeError("the state file is broken")
+
+        def tick(self):
+            self.calls += 1
+            if self.calls >= 5:
+                ticks.set()
+            raise ValueError("a bug in every tick")
+
+    monitor = Failing()
+    watcher = Watcher({"a": monitor}, {"a": 0.01})
+    thread = threading.Thread(target=watcher.run)
+    thread.start()
+    try:
+        assert ticks.wait(30), "the monitor thread died"
+    finally:
+        watcher.request_stop()
+        thread.join(10)
+    errors = [e for e in logs() if e["event"] == "error"]
+    assert [e["exception"].splitlines()[-1] for e in errors] == [
+        "RuntimeError: the state file is broken", "ValueError: a bug in every tick"]

@@ -569,3 +569,25 @@ def test_the_listener_check_is_on_by_default_and_can_be_turned_off(tmp_path, mon
         assert result.exit_code == 0, result.output
     on, off = built
     assert on.listener is not None and off.listener is None
+
+
+def test_a_tick_that_keeps_raising_is_said_once_and_its_recovery_too(tmp_path, caplog):
+    supervisor, spawner, probes, _, clock = make(tmp_path)
+    supervisor.interval_s = 0.01
+    calls = []
+    real_tick = supervisor.tick
+
+    def tick():
+        calls.append(1)
+        if len(calls) >= 6:
+            supervisor.request_stop()
+        if len(calls) <= 4:
+            raise RuntimeError("the same bug at every tick")
+        return real_tick()
+
+    supervisor.tick = tick
+    with caplog.at_level("INFO"):
+        assert supervisor.run() == 0
+    said = [r for r in caplog.records if getattr(r, "event", "") == "tick-error"]
+    assert [bool(r.exc_info) for r in said] == [True, False]  # the failure, the recovery
+    assert "recovered after: RuntimeError: the same bug" in said[1].getMessage()

@@ -97,3 +97,30 @@ class Events:
         self.logger.exception(
             message, extra={"event": event, "instance": self.instance, "fields": fields}
         )
+
+
+class LoopFailures:
+    """For a long-running loop that must survive its own exceptions: each
+    failure is said once, with its traceback, not at every turn. The same
+    failure again is said again only after the loop recovered or failed
+    differently in between; a recovery is said too."""
+
+    def __init__(self, events: Events, event: str, message: str):
+        self.events = events
+        self.event = event
+        self.message = message
+        self._last: Optional[str] = None  # the failure said last, while it lasts
+
+    def failed(self) -> None:
+        """Call from the `except` block."""
+        exc = sys.exc_info()[1]
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._last:
+            self.events.exception(self.event, self.message)
+            self._last = what
+
+    def ok(self) -> None:
+        """Call after a turn that went through."""
+        if self._last is not None:
+            self.events.info(self.event, f"recovered after: {self._last}")
+            self._last = None

@@ -23,6 +23,7 @@ from .act import (
 )
 from .config import InstanceConfig, RestartConfig
 from .heartbeat import read_heartbeat
+from .log import LoopFailures
 from .metrics import Metrics
 from .monitor import Monitor, RestartAction
 from .process import CpuSampler, ProcessLocator
@@ -171,11 +172,18 @@ class Watcher:
         return 0
 
     def _loop(self, monitor: Monitor, interval: float) -> None:
-        monitor.started()
+        # Nothing may end this thread but the stop: a monitor whose thread
+        # died would leave its server unwatched, without a word.
+        failures = LoopFailures(monitor.events, "error", "tick failed; watching goes on")
+        started = False
         while not self._stop.is_set():
             began = time.monotonic()
             try:
+                if not started:
+                    monitor.started()
+                    started = True
                 monitor.tick()
+                failures.ok()
             except Exception:  # noqa: BLE001 - a bug in one monitor must not silence the others
-                monitor.events.exception("error", "tick failed")
+                failures.failed()
             self._stop.wait(max(0.0, interval - (time.monotonic() - began)))
