@@ -46,6 +46,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
 from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
+from .redact import printable
 from .safefile import read_regular
 from .urls import WILDCARD_HOSTS, bind_host, url_from_command
 
@@ -197,6 +198,8 @@ def parse_launch(argv: Sequence[str], *, read_hostfile: bool = True) -> Optional
         names = (values.get("--hosts") or [LOCAL_HOST])[-1].split(",")
         if any(not name for name in names):
             raise GroupError("mlx.launch --hosts has an empty host name")
+        for name in names:
+            check_host_name(name, "mlx.launch --hosts")
         hosts = [Host(name, [name] if _is_ip(name) else [])
                  for name in names for _ in range(int(repeat))]
     return LaunchCommand(launcher, options, server, hosts, backend, hostfile)
@@ -241,8 +244,20 @@ def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str
         ips = entry.get("ips") or []
         if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
             raise GroupError(f"hostfile {path}: host {rank} \"ips\" must be a list of strings")
-        hosts.append(Host(entry["ssh"], list(ips)))
+        hosts.append(Host(check_host_name(entry["ssh"], f"hostfile {path}: host {rank}"),
+                          list(ips)))
     return hosts, backend
+
+
+def check_host_name(name: str, where: str) -> str:
+    """name, or GroupError: a host name that starts with "-" is read by ssh
+    as an option (-oProxyCommand=... runs a command here), by mlx.launch and
+    by our own checks alike."""
+    if name.startswith("-"):
+        raise GroupError(
+            f"{where}: host name {printable(name)!r} starts with '-', which ssh reads as "
+            "an option, not a host; give the host's name or address (user@host works)")
+    return name
 
 
 # -- this machine's names -------------------------------------------------------------
@@ -308,9 +323,10 @@ Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def ssh_check_argv(host: str, remote_command: str = "true") -> List[str]:
-    """How we reach a host: as mlx.launch does (ssh), but never prompting."""
+    """How we reach a host: as mlx.launch does (ssh), but never prompting.
+    `--` ends ssh's options: the host is never read as one."""
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=QUIET",
-            host, remote_command]
+            "--", check_host_name(host, "ssh"), remote_command]
 
 
 def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
