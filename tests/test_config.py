@@ -228,6 +228,27 @@ def test_bad_instance_name(tmp_path):
     assert 'instances.my model: instance names may hold' in error_for(tmp_path, text)
 
 
+@pytest.mark.parametrize("name, shown", [("a\\n", "a\\x0a"), ("a\\u001b[2J", "a\\x1b[2J"),
+                                         ("-a", "-a")])
+def test_an_instance_name_that_could_forge_a_log_line_is_refused(tmp_path, name, shown):
+    # "$" let "a\n" through: its log lines could forge others; ESC drives terminals.
+    text = minimal().replace("[instances.a]", f'[instances."{name}"]').replace(
+        "[instances.a.restart]", f'[instances."{name}".restart]')
+    message = error_for(tmp_path, text)
+    assert f"instances.{shown}: instance names may hold" in message
+    assert "\n" not in message and "\x1b" not in message
+
+
+def test_supervise_refuses_a_bad_name_and_names_a_v6_url_itself():
+    from mlx_watchdog.config import name_from_url
+
+    result = CliRunner().invoke(main, ["supervise", "--name", "a\nERROR forged", "--",
+                                       "/nonexistent/server"])
+    assert result.exit_code == 2 and "instance names may hold" in result.output
+    assert "'a\\x0aERROR forged'" in result.output
+    assert name_from_url("http://[::1]:8080/v1") == "[::1]:8080"
+
+
 def test_api_key_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA_KEY", "from-env")
     config = load_config(write(tmp_path, minimal('api_key_env = "GEMMA_KEY"')))

@@ -273,6 +273,18 @@ def test_text_log_lines():
     assert "INFO    [gemma] restarted: ran launchctl pid=12" in stream.getvalue()
 
 
+def test_text_log_lines_are_one_line_each_with_control_characters_escaped():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    try:
+        Events("a\nINFO forged").warning("state", "wedged: \x1b[2Jboom\nline two", code=1)
+    finally:
+        setup_logging("text")
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text
+    assert "[a\\x0aINFO forged] state: wedged: \\x1b[2Jboom\\x0aline two code=1" in text
+
+
 # -- Watcher ---------------------------------------------------------------------------
 
 

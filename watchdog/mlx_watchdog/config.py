@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from . import defaults
 from .log import FORMATS
-from .redact import Secret
+from .redact import Secret, printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,7 +59,23 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 RESTART_TYPES = ("launchd", "systemd", "signal", "command", "none")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# \Z, not $: "$" also matches before a final newline, and a name with one
+# forged a log line of its own ([instances."a\n"]).
+_NAME = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9_.:\[\]-]*\Z")
+NAME_RULE = ("instance names may hold letters, digits and _ . : - [ ] only, and start "
+             "with a letter, a digit or [")
+
+
+def name_problem(name: str) -> Optional[str]:
+    """Why name cannot name an instance (logs, metrics, status), or None."""
+    return None if _NAME.match(name) else NAME_RULE
+
+
+def name_from_url(url: str) -> str:
+    """The default instance name: the URL's host:port, as a valid name."""
+    netloc = url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9_.:\[\]-]", "_", netloc)
+    return name if _NAME.match(name) else f"[{name}]"
 
 
 class ConfigError(Exception):
@@ -398,8 +414,8 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>") -> WatchConfig
 
 def _instance(reader: _Reader, name: str, body: Any, warnings: list) -> InstanceConfig:
     prefix = f"instances.{name}"
-    if not _NAME.match(name):
-        raise reader.error(prefix, "instance names may hold letters, digits and _ . : - only")
+    if name_problem(name):
+        raise reader.error(printable(prefix), NAME_RULE)
     body = dict(reader.table(body, prefix))
     for key in sorted(RETIRED.keys() & body.keys()):
         del body[key]

@@ -78,7 +78,9 @@ def _daemon_options(f: Callable) -> Callable:
     f"own {defaults.URL} when it has none; an error when the port cannot be read]",
 )
 @click.option(
-    "--name", default=None, help="Instance name in logs, metrics and status. [default: host:port]"
+    "--name", default=None, callback=lambda ctx, param, value: _check_name(value),
+    help="Instance name in logs, metrics and status: letters, digits and _ . : - [ ]. "
+    "[default: host:port]",
 )
 @_number_option("--probe-interval", defaults.PROBE_INTERVAL_S, "Seconds between probes.")
 @_number_option("--probe-timeout", defaults.PROBE_TIMEOUT_S, "Seconds for one whole probe.")
@@ -214,7 +216,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .config import InstanceConfig, RestartConfig
+    from .config import InstanceConfig, RestartConfig, name_from_url
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
 
@@ -235,7 +237,7 @@ def supervise_command(
                 raise click.UsageError(f"{exc}; pass --url") from None
         metrics = _metrics(metrics_port, metrics_host)
         state = StateStore(state_file or default_state_path())
-        name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+        name = name or name_from_url(url)
         # The same options as a `watch` instance; the supervisor restarts itself.
         instance = InstanceConfig(
             name=name,
@@ -347,6 +349,15 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
         click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
     else:
         click.echo(format_status(data, colour=sys.stdout.isatty()))
+
+
+def _check_name(name: Optional[str]) -> Optional[str]:
+    from .config import name_problem
+    from .redact import printable
+
+    if name is not None and name_problem(name):
+        raise click.BadParameter(f"'{printable(name)}': {name_problem(name)}")
+    return name
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

@@ -13,7 +13,7 @@ import sys
 from datetime import datetime
 from typing import IO, Any, Optional
 
-from .redact import scrub
+from .redact import printable, scrub
 
 LOGGER = logging.getLogger("mlx_watchdog")
 FORMATS = ("text", "json")
@@ -42,16 +42,21 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        # One event, one line: control characters in a name or a message
+        # (a newline, ESC) are escaped, so nothing forges a line or drives
+        # the terminal. A traceback keeps its lines, each escaped.
         instance = getattr(record, "instance", None)
         parts = [_timestamp(record.created), f"{record.levelname:<7}"]
         if instance:
-            parts.append(f"[{instance}]")
-        parts.append(f"{getattr(record, 'event', 'log')}: {record.getMessage()}")
+            parts.append(f"[{printable(instance)}]")
+        parts.append(f"{printable(getattr(record, 'event', 'log'))}: "
+                     f"{printable(record.getMessage())}")
         for key, value in getattr(record, "fields", {}).items():
-            parts.append(f"{key}={json.dumps(value, default=str)}")
+            parts.append(f"{printable(key)}={json.dumps(value, default=str)}")
         text = " ".join(parts)
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+            trace = self.formatException(record.exc_info)
+            text += "\n" + "\n".join(printable(line) for line in trace.split("\n"))
         return scrub(text)
 
 
