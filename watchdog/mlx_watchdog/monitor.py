@@ -20,7 +20,7 @@ from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
-from .probe import UNREACHABLE, ProbeResult
+from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
@@ -117,6 +117,12 @@ class Monitor:
         if exited is not None:
             return self._tick_exited(exited)
         probe = self.probe()
+        port_held_by = self.listener(probe) if self.listener else None
+        if port_held_by and probe.ok:
+            # Another process answered: no evidence our server serves. Not a
+            # "last ok probe", not up, no reset of the backoff.
+            probe = replace(probe, status=UNHEALTHY, tokens=0, warning=None,
+                            reason=f"not our server's answer: {port_held_by}")
         # A failed probe is when CPU time matters: then look for new child
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
@@ -126,7 +132,6 @@ class Monitor:
         beat = self.heartbeat.observe(record) if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
-        port_held_by = self.listener(probe) if self.listener else None
         self._observe_server(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
