@@ -4,6 +4,7 @@ tiny fake server as its child (harness/fakeserver.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -591,3 +592,25 @@ def test_a_tick_that_keeps_raising_is_said_once_and_its_recovery_too(tmp_path, c
     said = [r for r in caplog.records if getattr(r, "event", "") == "tick-error"]
     assert [bool(r.exc_info) for r in said] == [True, False]  # the failure, the recovery
     assert "recovered after: RuntimeError: the same bug" in said[1].getMessage()
+
+
+@pytest.mark.parametrize("how", ["the child exits", "the child stops answering"])
+def test_a_normal_stop_is_no_failure(tmp_path, caplog, how):
+    # SIGTERM arrives while a tick is under way: the child's exit (or its
+    # silence while it drains) is what was asked for; it is not restarted,
+    # and nothing says "restart-failed" at ERROR, nor warns.
+    supervisor, spawner, probes, _, clock = make(tmp_path)
+    supervisor.start()
+    assert supervisor.tick().state == HEALTHY
+    supervisor.request_stop()
+    if how == "the child exits":
+        spawner.current.code = 0
+    else:
+        probes.next = TIMEOUT
+    with caplog.at_level("INFO"):
+        for _ in range(3):
+            supervisor.monitor.tick()
+    loud = [(r.levelname, getattr(r, "event", ""), r.getMessage()) for r in caplog.records
+            if r.levelno >= logging.WARNING]
+    assert loud == []
+    assert len(spawner.children) == 1 and supervisor.monitor.restarts == 0

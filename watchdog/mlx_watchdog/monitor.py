@@ -92,6 +92,10 @@ class Monitor:
         self.clock = clock
         self.wall_clock = wall_clock
         self.verdict: Optional[Verdict] = None
+        # Set (a plain assignment, safe in a signal handler) when whoever runs
+        # this monitor is stopping: an exit or a failure is then expected,
+        # nothing to restart and nothing to warn about.
+        self.stopping = False
         self.restarts = 0
         self._since = wall_clock()
         self._last_probe: Optional[Dict[str, Any]] = None
@@ -206,6 +210,8 @@ class Monitor:
         """Restart for verdict, if the policy allows; returns what happened."""
         if self.action is None:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
+        if self.stopping:  # a normal stop: not a failure
+            return replace(verdict, restart=False, reason=f"{verdict.reason}; stopping")
         now = self.clock()
         decision = self.policy.check(now)
         if decision.crash_looping:
@@ -245,7 +251,7 @@ class Monitor:
         previous, self.verdict = self.verdict, verdict
         if previous is None or previous.state != verdict.state:
             self._since = self.wall_clock()
-            calm = verdict.state in (HEALTHY, STARTING)
+            calm = verdict.state in (HEALTHY, STARTING) or self.stopping
             log = self.events.info if calm else self.events.warning
             log("state", f"{verdict.state}: {verdict.reason}", state=verdict.state)
         if probe is not None:

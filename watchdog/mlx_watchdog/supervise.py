@@ -315,7 +315,9 @@ class Supervisor:
             if code is None:
                 return None
             self._exit = describe_exit(code, self.shim)
-            self.events.warning("exited", f"server {self._exit}", returncode=code)
+            # Asked to stop, the child's exit is what we wanted: no warning.
+            log = self.events.info if self._stopping else self.events.warning
+            log("exited", f"server {self._exit}", returncode=code)
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
@@ -376,6 +378,7 @@ class Supervisor:
         """
         self._stop_signal = signum
         self._stopping = True
+        self.monitor.stopping = True  # a tick under way restarts nothing
         child = self.child
         if child is not None and self._signalled != child.pid:
             self._signalled = child.pid
