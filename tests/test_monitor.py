@@ -529,3 +529,14 @@ def test_a_watch_thread_survives_a_failing_start_and_says_each_failure_once(logs
     errors = [e for e in logs() if e["event"] == "error"]
     assert [e["exception"].splitlines()[-1] for e in errors] == [
         "RuntimeError: the state file is broken", "ValueError: a bug in every tick"]
+
+
+def test_probes_piling_up_on_the_server_are_said_once_per_run(tmp_path, logs):
+    abandoned = ProbeResult(UNHEALTHY, 10.0, reason="timed out after 10s", abandoned=True)
+    monitor = make_monitor(tmp_path, [abandoned, abandoned, abandoned, GOOD, abandoned,
+                                      abandoned], cpu=2.0, failures=100)
+    for _ in range(6):
+        monitor.tick()
+    said = [e["message"] for e in logs() if e["event"] == "probe"]
+    assert len(said) == 2  # the second abandoned probe of each run
+    assert "may still be in flight on the server" in said[0]

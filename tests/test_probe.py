@@ -302,6 +302,16 @@ def test_other_evidence_can_end_the_wait_before_the_timeout():
     assert result.reason == "timed out after 1.5s"
 
 
+def test_a_probe_that_stops_waiting_for_a_sent_request_says_it_abandoned_it():
+    with FakeServer(completion=HANG) as server:  # the request is sent, never answered
+        hung = Probe(server.url, timeout=1.0)()
+    assert hung.status == UNHEALTHY and hung.abandoned
+    unreachable = Probe("http://127.0.0.1:9", timeout=1.0)()  # nothing was sent
+    assert not unreachable.abandoned
+    with FakeServer() as server:
+        assert not Probe(server.url, timeout=5.0)().abandoned
+
+
 def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat(tmp_path):
     from mlx_watchdog.compose import _stale_heartbeat
     from mlx_watchdog.heartbeat import HeartbeatTracker

@@ -103,6 +103,7 @@ class Monitor:
         self._state_error: Optional[str] = None
         self._process_problem: Optional[str] = None
         self._last_ok_probe: Optional[float] = None
+        self._abandoned = 0  # probes in a row abandoned while awaiting their answer
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
         self._warning: Optional[str] = None  # the shim's known-bad-install line
@@ -121,6 +122,7 @@ class Monitor:
         if exited is not None:
             return self._tick_exited(exited)
         probe = self.probe()
+        self._note_abandoned(probe)
         port_held_by = self.listener(probe) if self.listener else None
         if port_held_by and probe.ok:
             # Another process answered: no evidence our server serves. Not a
@@ -300,6 +302,24 @@ class Monitor:
         if warning and warning != self._warning:
             self.events.warning("install", warning)
         self._warning = warning
+
+    def _note_abandoned(self, probe: ProbeResult) -> None:
+        """Say once (per run) that abandoned probes pile up on the server.
+
+        A probe that stops waiting leaves its request on the server, which
+        answers it late or never (a hang): one more per probe interval until
+        the server answers or the judge restarts it. Bounded by the judge's
+        own budget (README, "Probes in flight"), but said, once.
+        """
+        if not getattr(probe, "abandoned", False):
+            self._abandoned = 0
+            return
+        self._abandoned += 1
+        if self._abandoned == 2:
+            self.events.warning(
+                "probe", "a probe was abandoned while the previous one may still be in flight "
+                "on the server: abandoned probes stay there as requests, one per probe "
+                "interval, until it answers them or is restarted")
 
     def _note_heartbeat_problem(self) -> None:
         """Say once (per change) why the heartbeat is unusable or ignored."""
