@@ -6,10 +6,11 @@ shim, run by `mlx-watchdog supervise` with default settings (only
 
   load     4 clients, each sending one chat completion after another
            (16-48 tokens, every other one streamed), 120 s client timeout;
-  faults   every 35-65 s (uniform, seeded) one fault, chosen at random among
-           a death (an exception out of `BatchGenerator.next`), a hang (the
-           loop blocks there at 0% CPU) and a livelock (the loop turns and
-           delivers nothing, upstream #1493), injected through harness/faults
+  faults   every 35-65 s (uniform, seeded) one fault: a death (an exception
+           out of `BatchGenerator.next`), a hang (the loop blocks there at 0%
+           CPU) or a livelock (the loop turns and delivers nothing, upstream
+           #1493), each once per round of three in a seeded random order,
+           injected through harness/faults
            (`MLX_TEST_FAULT=chaos:batch`: the next step after the arming
            strikes). MLX_HOTFIX_STALL_TIMEOUT=10 (the tiny model's steps take
            milliseconds; the shipped default is 300 s), as in figure 7.
@@ -187,6 +188,7 @@ def soak(fig: Figure, side: str, model: Path, work: Path, baseline: Optional[Pat
     seen: set = set()
     rng = random.Random(seed)
     armed: List[dict] = []
+    bag: List[str] = []
     try:
         if wait_serving(url, time.time() + LOAD_S) is None:
             raise RuntimeError(f"never served:\n{sup.out.text()[-3000:]}")
@@ -199,7 +201,9 @@ def soak(fig: Figure, side: str, model: Path, work: Path, baseline: Optional[Pat
         while time.time() < ends:
             track_children(sup, seen)
             if time.time() >= next_fault:
-                kind = rng.choice(sorted(FAULTS))
+                if not bag:  # each kind once per round, in a random order
+                    bag = rng.sample(sorted(FAULTS), len(FAULTS))
+                kind = bag.pop()
                 tmp = arm.with_suffix(".tmp")
                 tmp.write_text(FAULTS[kind] + "\n")
                 tmp.replace(arm)  # whole: the injector never reads half a line
