@@ -292,3 +292,12 @@ def test_a_retired_key_still_starts_with_a_warning(tmp_path):
                                "immediate); remove it",)
     result = CliRunner().invoke(main, ["watch", "--config", str(path), "--check"])
     assert result.exit_code == 0 and "backoff_reset: no longer used" in result.stderr
+
+
+def test_supervise_still_takes_the_retired_backoff_reset_with_a_warning(tmp_path):
+    result = CliRunner().invoke(main, [
+        "supervise", "--backoff-reset", "600", "--state-file", str(tmp_path / "state.json"),
+        "--report-dir", str(tmp_path / "reports"), "--url", "http://127.0.0.1:9", "--",
+        str(tmp_path / "no-such-server")])
+    assert result.exit_code == 1 and "cannot run" in result.output  # it got that far
+    assert "--backoff-reset: no longer used" in result.output
