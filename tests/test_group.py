@@ -284,6 +284,44 @@ def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
     assert group.install_options(python=python, hostfile=None, hosts=None, backend=None) is None
 
 
+# -- a host name ssh would read as an option (issue 18) ----------------------------------
+
+
+def test_a_host_named_like_an_ssh_option_is_refused_before_ssh_runs(tmp_path):
+    # With the real ssh: "-oProxyCommand=touch FILE" as a host ran the command
+    # here, during `install --dry-run`, with --hosts, and in check_hostfile.
+    marker = tmp_path / "ran"
+    evil = f"-oProxyCommand=touch {marker}"
+    path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), (evil, "10.0.0.6"))
+    python = str(python_for("0.32.2"))
+    problems = group.check_hostfile(path, python=python, shim_path="/s")
+    assert len(problems) == 1 and "host 1: host name '-oProxyCommand=touch" in problems[0]
+    assert "starts with '-', which ssh reads as an option" in problems[0]
+    with pytest.raises(GroupError, match="starts with '-'"):
+        group.install_options(python=python, hostfile=path, hosts=None, backend=None)
+    with pytest.raises(GroupError, match="--hosts: host name '-oProxyCommand"):
+        group.install_options(python=python, hostfile=None, hosts=f"127.0.0.1,{evil}",
+                              backend=None)
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "model").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_watchdog", "install", "systemd", "--dry-run",
+         "--output-dir", str(tmp_path / "out"), "--model", str(tmp_path / "model"),
+         "--python", python, "--port", "8080", "--offline", "--hostfile", path],
+        env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "starts with '-'" in done.stdout + done.stderr
+    assert not marker.exists()
+
+
+def test_every_ssh_we_run_ends_its_options_before_the_host():
+    argv = group.ssh_check_argv("studio-2", "true")
+    assert argv[-3:] == ["--", "studio-2", "true"]
+    with pytest.raises(GroupError):
+        group.ssh_check_argv("-oProxyCommand=x")
+
+
 # -- exec: the launcher's exit 0 after a rank death ---------------------------------------
 
 FAKE_LAUNCHER = """

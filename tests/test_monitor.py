@@ -273,6 +273,18 @@ def test_text_log_lines():
     assert "INFO    [gemma] restarted: ran launchctl pid=12" in stream.getvalue()
 
 
+def test_text_log_lines_are_one_line_each_with_control_characters_escaped():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    try:
+        Events("a\nINFO forged").warning("state", "wedged: \x1b[2Jboom\nline two", code=1)
+    finally:
+        setup_logging("text")
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text
+    assert "[a\\x0aINFO forged] state: wedged: \\x1b[2Jboom\\x0aline two code=1" in text
+
+
 # -- Watcher ---------------------------------------------------------------------------
 
 
@@ -385,7 +397,7 @@ class FakeHeartbeat:
         self.reading = reading
         self.resets = 0
 
-    def sample(self):
+    def observe(self, record):
         return self.reading
 
     def reset(self):
@@ -457,3 +469,74 @@ def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
     assert f"  WARNING: {BAD_PAIR}" in text.splitlines()  # shown although healthy
     del data["instances"]["gemma"]["warning"]
     assert "WARNING" not in format_status(data, now=1000.0, pid_alive=lambda pid: True)
+
+
+# -- a start that served ends the backoff (issue 18) ---------------------------
+
+
+@pytest.mark.parametrize("started, delivered, served", [
+    (1001.0, 12, True),  # the new server delivered between probes
+    (1001.0, 0, False),  # loaded, nothing delivered yet
+    (900.0, 12, False),  # the previous process's file
+])
+def test_a_new_server_whose_heartbeat_delivered_ends_the_backoff(tmp_path, started,
+                                                                 delivered, served):
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    monitor = make_monitor(tmp_path, [TIMEOUT], action=FakeAction())
+    monitor.started()
+    for _ in range(3):  # three starts that never served
+        monitor.policy.record_restart(monitor.clock())
+    monitor.heartbeat = FakeHeartbeat(HeartbeatReading(
+        age_s=0.5, phase="serving", beats=5, pid=7, started=started, delivered=delivered))
+    assert monitor.tick().state == BUSY  # the probe failed, the loop beats
+    assert monitor.policy.restarts_in_a_row == (0 if served else 3)
+
+
+def test_a_watch_thread_survives_a_failing_start_and_says_each_failure_once(logs):
+    # monitor.started() raising used to end the thread, unnoticed: the
+    # instance was never watched again. Every failure is said once.
+    ticks = threading.Event()
+
+    class Failing:
+        state = None
+
+        def __init__(self):
+            self.name = "a"
+            self.events = Events("a")
+            self.starts = self.calls = 0
+
+        def started(self):
+            self.starts += 1
+            if self.starts == 1:
+                raise RuntimeError("the state file is broken")
+
+        def tick(self):
+            self.calls += 1
+            if self.calls >= 5:
+                ticks.set()
+            raise ValueError("a bug in every tick")
+
+    monitor = Failing()
+    watcher = Watcher({"a": monitor}, {"a": 0.01})
+    thread = threading.Thread(target=watcher.run)
+    thread.start()
+    try:
+        assert ticks.wait(30), "the monitor thread died"
+    finally:
+        watcher.request_stop()
+        thread.join(10)
+    errors = [e for e in logs() if e["event"] == "error"]
+    assert [e["exception"].splitlines()[-1] for e in errors] == [
+        "RuntimeError: the state file is broken", "ValueError: a bug in every tick"]
+
+
+def test_probes_piling_up_on_the_server_are_said_once_per_run(tmp_path, logs):
+    abandoned = ProbeResult(UNHEALTHY, 10.0, reason="timed out after 10s", abandoned=True)
+    monitor = make_monitor(tmp_path, [abandoned, abandoned, abandoned, GOOD, abandoned,
+                                      abandoned], cpu=2.0, failures=100)
+    for _ in range(6):
+        monitor.tick()
+    said = [e["message"] for e in logs() if e["event"] == "probe"]
+    assert len(said) == 2  # the second abandoned probe of each run
+    assert "may still be in flight on the server" in said[0]

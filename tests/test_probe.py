@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -301,20 +302,54 @@ def test_other_evidence_can_end_the_wait_before_the_timeout():
     assert result.reason == "timed out after 1.5s"
 
 
-def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat():
+def test_a_probe_that_stops_waiting_for_a_sent_request_says_it_abandoned_it():
+    with FakeServer(completion=HANG) as server:  # the request is sent, never answered
+        hung = Probe(server.url, timeout=1.0)()
+    assert hung.status == UNHEALTHY and hung.abandoned
+    unreachable = Probe("http://127.0.0.1:9", timeout=1.0)()  # nothing was sent
+    assert not unreachable.abandoned
+    with FakeServer() as server:
+        assert not Probe(server.url, timeout=5.0)().abandoned
+
+
+def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat(tmp_path):
     from mlx_watchdog.compose import _stale_heartbeat
-    from mlx_watchdog.heartbeat import HeartbeatReading
+    from mlx_watchdog.heartbeat import HeartbeatTracker
 
-    class Tracker:
-        beat = None
-
-        def sample(self):
-            return self.beat
-
-    tracker = Tracker()
-    why = _stale_heartbeat(tracker, 10.0)
+    path = tmp_path / "heartbeat.json"
+    tracker = HeartbeatTracker(path)
+    why = _stale_heartbeat(tracker, 10.0, clock=lambda: 1000.0)
     assert why() is None  # no heartbeat
     for phase, age, stale in (("serving", 5, False), ("serving", 11, True),
                               ("loading", 99, False), ("stalled", 1, True)):
-        tracker.beat = HeartbeatReading(age_s=age, phase=phase, beats=1, pid=1)
+        path.write_text(json.dumps({"pid": os.getpid(), "beats": 1, "time": 1000.0 - age,
+                                    "phase": phase}))
+        tracker.sample()  # the monitor's tick: it accepts this writer
         assert bool(why()) is stale, (phase, age)
+    path.write_text(json.dumps({"pid": os.getpid() + 1, "beats": 1, "time": 1.0,
+                                "phase": "stalled"}))
+    assert why() is None  # not the writer the monitor accepted
+
+
+def test_the_heartbeat_check_leaves_the_tracker_to_the_monitor_thread(tmp_path):
+    # The probe's give-up thread runs beside the monitor's: it reads the file
+    # itself and never samples (nor resets) the monitor's tracker.
+    from mlx_watchdog.compose import _stale_heartbeat
+    from mlx_watchdog.group import GroupHeartbeat
+    from mlx_watchdog.heartbeat import HeartbeatTracker
+
+    path = tmp_path / "heartbeat.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "beats": 1, "time": time.time() - 30,
+                                "phase": "serving"}))
+    def state(tracker) -> dict:
+        inner = getattr(tracker, "_trackers", {})
+        return {"self": {k: repr(v) for k, v in vars(tracker).items()},
+                **{name: {k: repr(v) for k, v in vars(t).items()} for name, t in inner.items()}}
+
+    for tracker in (HeartbeatTracker(path), GroupHeartbeat(path)):
+        tracker.sample()
+        before = state(tracker)
+        assert "30s old" in _stale_heartbeat(tracker, 10.0)()
+        assert state(tracker) == before
+
+

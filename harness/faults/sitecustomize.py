@@ -11,6 +11,12 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
     livelock:batch[:<after>]         BatchGenerator.next returns no responses,
                                      forever: the loop turns, nothing is
                                      delivered (upstream #1493)
+    chaos:<where>                    the fault is chosen at run time, once per
+                                     arming: the first call after
+                                     MLX_TEST_FAULT_ARM_FILE appears reads its
+                                     first line (raise:<kind>, hang, spin or
+                                     livelock), removes the file and strikes
+                                     (bench/chaos_soak.py)
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
@@ -94,7 +100,7 @@ def _parse(spec):
     if action == "raise":
         kind, where = parts[1], parts[2]
         after = int(parts[3]) if len(parts) > 3 else 0
-    elif action in ("hang", "spin", "hold", "livelock"):
+    elif action in ("hang", "spin", "hold", "livelock", "chaos"):
         kind, where = None, parts[1]
         after = int(parts[2]) if len(parts) > 2 else 0
     else:
@@ -124,9 +130,74 @@ def _error(kind):
     return error(message)
 
 
+def _strike(action, kind, where, error=None):
+    """Announce the fault on stderr, then act it out (raise, block, spin).
+
+    error: the exception to raise, worked out before a one-shot fault unarms
+    (the "armed" kind reads its kind from the arm file)."""
+    sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
+    sys.stderr.flush()
+    if action == "raise":
+        raise error if error is not None else _error(kind)
+    if action == "hang":
+        import threading
+
+        threading.Event().wait()
+    if action == "hold":
+        release = os.environ.get("MLX_TEST_FAULT_RELEASE_FILE", "")
+        while not (release and os.path.exists(release)):
+            time.sleep(0.05)
+    while action == "spin":
+        pass
+
+
+def _take_armed_fault():
+    """chaos: (action, kind) from the arm file's first line, the file then
+    removed; None while there is no arm file (or no line in it yet)."""
+    arm_file = os.environ.get("MLX_TEST_FAULT_ARM_FILE", "")
+    try:
+        with open(arm_file) as handle:
+            line = handle.readline().strip()
+        if not line:
+            return None  # still being written
+        os.remove(arm_file)
+    except OSError:
+        return None
+    parts = line.split(":")
+    if parts[0] == "raise" and len(parts) == 2 and parts[1] in _MESSAGES:
+        return "raise", parts[1]
+    if parts[0] in ("hang", "spin", "livelock") and len(parts) == 1:
+        return parts[0], None
+    raise ValueError("MLX_TEST_FAULT=chaos: unknown fault %r in the arm file" % line)
+
+
+def _inject_chaos(owner, name, where):
+    original = getattr(owner, name)
+    livelocked = [False]
+
+    def chaotic(*args, **kwargs):
+        if livelocked[0]:
+            time.sleep(0.002)
+            return [], []
+        chosen = _take_armed_fault()
+        if chosen is None:
+            return original(*args, **kwargs)
+        action, kind = chosen
+        if action == "livelock":  # for good, in this process
+            livelocked[0] = True
+            sys.stderr.write("mlx-test-fault: livelock at %s t=%.6f\n" % (where, time.time()))
+            sys.stderr.flush()
+            return [], []
+        _strike(action, kind, where)
+
+    setattr(owner, name, chaotic)
+
+
 def _inject(module, action, kind, where, after):
     owner = getattr(module, _TARGETS[where][1])
     name = _TARGETS[where][2]
+    if action == "chaos":
+        return _inject_chaos(owner, name, where)
     original = getattr(owner, name)
     calls = [0]
 
@@ -138,28 +209,17 @@ def _inject(module, action, kind, where, after):
             calls[0] += 1
             if calls[0] > after:
                 error = _error(kind) if action == "raise" else None  # before a one-shot unarms
-                sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
-                sys.stderr.flush()
                 if os.environ.get("MLX_TEST_FAULT_ONESHOT") == "1":
                     calls[0] = 0
                     try:
                         os.remove(os.environ["MLX_TEST_FAULT_ARM_FILE"])
                     except (KeyError, OSError):
                         pass
-                if action == "raise":
-                    raise error
                 if action == "livelock":
+                    sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
+                    sys.stderr.flush()
                     return [], []
-                if action == "hang":
-                    import threading
-
-                    threading.Event().wait()
-                if action == "hold":
-                    release = os.environ.get("MLX_TEST_FAULT_RELEASE_FILE", "")
-                    while not (release and os.path.exists(release)):
-                        time.sleep(0.05)
-                while action == "spin":
-                    pass
+                _strike(action, kind, where, error)
         return original(*args, **kwargs)
 
     setattr(owner, name, faulty)

@@ -78,7 +78,9 @@ def _daemon_options(f: Callable) -> Callable:
     f"own {defaults.URL} when it has none; an error when the port cannot be read]",
 )
 @click.option(
-    "--name", default=None, help="Instance name in logs, metrics and status. [default: host:port]"
+    "--name", default=None, callback=lambda ctx, param, value: _check_name(value),
+    help="Instance name in logs, metrics and status: letters, digits and _ . : - [ ]. "
+    "[default: host:port]",
 )
 @_number_option("--probe-interval", defaults.PROBE_INTERVAL_S, "Seconds between probes.")
 @_number_option("--probe-timeout", defaults.PROBE_TIMEOUT_S, "Seconds for one whole probe.")
@@ -134,15 +136,13 @@ def _daemon_options(f: Callable) -> Callable:
 @_number_option(
     "--backoff-max",
     defaults.BACKOFF_MAX_S,
-    "The longest wait before a restart; the wait starts at 1 s and doubles.",
+    "The longest wait before restarting a server that never served; the wait starts "
+    "at 1 s and doubles. A server that served is restarted at once.",
     kind=_SECONDS_OR_ZERO,
 )
-@_number_option(
-    "--backoff-reset",
-    defaults.BACKOFF_RESET_S,
-    "Seconds the server must stay healthy before the backoff starts again from 1 s.",
-    kind=_SECONDS_OR_ZERO,
-)
+@click.option("--backoff-reset", type=_SECONDS_OR_ZERO, default=None, hidden=True,
+              help="No longer used (a start that served ends the backoff); accepted "
+              "with a warning.")
 @click.option(
     "--report-dir",
     type=click.Path(file_okay=False),
@@ -192,7 +192,7 @@ def supervise_command(
     stop_grace: float,
     max_restarts: int,
     backoff_max: float,
-    backoff_reset: float,
+    backoff_reset: Optional[float],
     report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
@@ -216,7 +216,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .config import InstanceConfig, RestartConfig
+    from .config import InstanceConfig, RestartConfig, name_from_url
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
 
@@ -237,7 +237,7 @@ def supervise_command(
                 raise click.UsageError(f"{exc}; pass --url") from None
         metrics = _metrics(metrics_port, metrics_host)
         state = StateStore(state_file or default_state_path())
-        name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+        name = name or name_from_url(url)
         # The same options as a `watch` instance; the supervisor restarts itself.
         instance = InstanceConfig(
             name=name,
@@ -257,7 +257,6 @@ def supervise_command(
             max_restarts=max_restarts,
             restart_window=restart_window,
             backoff_max=backoff_max,
-            backoff_reset=backoff_reset,
             stop_grace=stop_grace,
             report_dir=report_dir,
         )
@@ -272,6 +271,10 @@ def supervise_command(
             state=state,
         )
         supervisor.events.info("supervise", f"supervising {command[0]}, probing {url}")
+        if backoff_reset is not None:
+            from .config import RETIRED
+
+            supervisor.events.warning("option", f"--backoff-reset: {RETIRED['backoff_reset']}")
         try:
             code = supervisor.run()
         except SupervisorError as exc:
@@ -306,9 +309,13 @@ def watch_command(
         raise click.ClickException(str(exc)) from None
     names = [i.name for i in config.instances]
     if check:
+        for warning in config.warnings:
+            click.echo(f"warning: {warning}", err=True)
         click.echo(f"{config_path}: OK, {len(names)} instance(s): {', '.join(names)}")
         return
     setup_logging(log_format or config.log_format)
+    for warning in config.warnings:
+        Events().warning("config", warning)
     metrics = _metrics(metrics_port or config.metrics_port, metrics_host or config.metrics_host)
     state = StateStore(state_file or config.state_file or default_state_path())
     monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}
@@ -342,6 +349,15 @@ def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str])
         click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
     else:
         click.echo(format_status(data, colour=sys.stdout.isatty()))
+
+
+def _check_name(name: Optional[str]) -> Optional[str]:
+    from .config import name_problem
+    from .redact import printable
+
+    if name is not None and name_problem(name):
+        raise click.BadParameter(f"'{printable(name)}': {name_problem(name)}")
+    return name
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

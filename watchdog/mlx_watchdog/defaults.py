@@ -40,7 +40,6 @@ STACKS_WAIT_S = 2.0  # after SIGUSR1, wait this long for the server's stacks fil
 ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 60.0  # restarts are never paused longer than this
-BACKOFF_RESET_S = 600.0  # healthy this long after a good probe: the backoff resets
 MAX_RESTARTS = 5  # this many per window is shown as crash-looping (restarts go on)
 RESTART_WINDOW_S = 300.0
 

@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
-from .heartbeat import HeartbeatReading, HeartbeatTracker
+from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
+from .redact import printable
+from .safefile import read_regular
 from .urls import WILDCARD_HOSTS, bind_host, url_from_command
 
 LAUNCH_MODULES = ("mlx.launch", "mlx._distributed_utils.launch")
@@ -196,9 +198,19 @@ def parse_launch(argv: Sequence[str], *, read_hostfile: bool = True) -> Optional
         names = (values.get("--hosts") or [LOCAL_HOST])[-1].split(",")
         if any(not name for name in names):
             raise GroupError("mlx.launch --hosts has an empty host name")
+        for name in names:
+            check_host_name(name, "mlx.launch --hosts")
         hosts = [Host(name, [name] if _is_ip(name) else [])
                  for name in names for _ in range(int(repeat))]
     return LaunchCommand(launcher, options, server, hosts, backend, hostfile)
+
+
+_HOSTFILE_BYTES = 1 << 20
+
+
+def _read_hostfile(path: "str | os.PathLike[str]") -> object:
+    # A regular file only: a FIFO there would block install and doctor.
+    return json.loads(read_regular(path, _HOSTFILE_BYTES))
 
 
 def _is_ip(name: str) -> bool:
@@ -212,7 +224,7 @@ def _is_ip(name: str) -> bool:
 def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str]]:
     """The hosts (rank order) and backend of an mlx.launch JSON hostfile."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = _read_hostfile(path)
     except FileNotFoundError:
         raise GroupError(f"hostfile {path} does not exist") from None
     except (OSError, ValueError) as exc:
@@ -232,8 +244,20 @@ def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str
         ips = entry.get("ips") or []
         if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
             raise GroupError(f"hostfile {path}: host {rank} \"ips\" must be a list of strings")
-        hosts.append(Host(entry["ssh"], list(ips)))
+        hosts.append(Host(check_host_name(entry["ssh"], f"hostfile {path}: host {rank}"),
+                          list(ips)))
     return hosts, backend
+
+
+def check_host_name(name: str, where: str) -> str:
+    """name, or GroupError: a host name that starts with "-" is read by ssh
+    as an option (-oProxyCommand=... runs a command here), by mlx.launch and
+    by our own checks alike."""
+    if name.startswith("-"):
+        raise GroupError(
+            f"{where}: host name {printable(name)!r} starts with '-', which ssh reads as "
+            "an option, not a host; give the host's name or address (user@host works)")
+    return name
 
 
 # -- this machine's names -------------------------------------------------------------
@@ -262,7 +286,7 @@ def localize_hostfile(path: "str | os.PathLike[str]", out: "str | os.PathLike[st
     """Write a copy of the hostfile in which this machine's names (localhost,
     its hostname, a loopback address) read 127.0.0.1, the one name mlx.launch
     runs without ssh. True if anything changed (then use `out`)."""
-    data = json.loads(Path(path).read_text())
+    data = _read_hostfile(path)
     entries = data.get("hosts") if isinstance(data, dict) else data
     changed = False
     for entry in entries or []:
@@ -299,9 +323,10 @@ Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def ssh_check_argv(host: str, remote_command: str = "true") -> List[str]:
-    """How we reach a host: as mlx.launch does (ssh), but never prompting."""
+    """How we reach a host: as mlx.launch does (ssh), but never prompting.
+    `--` ends ssh's options: the host is never read as one."""
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=QUIET",
-            host, remote_command]
+            "--", check_host_name(host, "ssh"), remote_command]
 
 
 def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
@@ -416,20 +441,33 @@ class GroupHeartbeat:
     For a lone server only the one file exists and this is a HeartbeatTracker.
     The worst reading: a rank whose own record says it stalled, else the
     oldest beat. So a rank that stops beating makes the group's heartbeat
-    stale, whatever the others do.
+    stale, whatever the others do. Owned by one thread, as HeartbeatTracker;
+    `accepted` covers every rank.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", **tracker_options):
         self.path = path
         self._options = tracker_options
         self._trackers: Dict[str, HeartbeatTracker] = {}
+        self.accepted: Dict[str, int] = {}
 
     def sample(self) -> Optional[HeartbeatReading]:
+        return self.observe(read_record(self.path))
+
+    def observe(self, record: Optional[dict]) -> Optional[HeartbeatReading]:
+        """The worst reading, rank 0's from record (read by the caller), the
+        other ranks' read here."""
         files = [str(self.path), *rank_heartbeat_files(self.path)]
         for file in files:
             if file not in self._trackers:
                 self._trackers[file] = HeartbeatTracker(file, **self._options)
-        readings = [r for r in (t.sample() for t in self._trackers.values()) if r is not None]
+        rank0, *others = self._trackers.values()
+        readings = [r for r in (rank0.observe(record), *(t.sample() for t in others))
+                    if r is not None]
+        accepted: Dict[str, int] = {}
+        for tracker in self._trackers.values():
+            accepted.update(tracker.accepted)
+        self.accepted = accepted
         if not readings:
             return None
         return max(readings, key=lambda r: (r.phase not in ("loading", "serving"), r.age_s))
@@ -442,6 +480,7 @@ class GroupHeartbeat:
 
     def reset(self) -> None:
         self._trackers.clear()
+        self.accepted = {}
 
 
 def heartbeat_tracker(path: "str | os.PathLike[str]", **options) -> GroupHeartbeat:

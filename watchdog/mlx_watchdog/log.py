@@ -13,7 +13,7 @@ import sys
 from datetime import datetime
 from typing import IO, Any, Optional
 
-from .redact import scrub
+from .redact import printable, scrub
 
 LOGGER = logging.getLogger("mlx_watchdog")
 FORMATS = ("text", "json")
@@ -42,16 +42,21 @@ class JsonFormatter(logging.Formatter):
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        # One event, one line: control characters in a name or a message
+        # (a newline, ESC) are escaped, so nothing forges a line or drives
+        # the terminal. A traceback keeps its lines, each escaped.
         instance = getattr(record, "instance", None)
         parts = [_timestamp(record.created), f"{record.levelname:<7}"]
         if instance:
-            parts.append(f"[{instance}]")
-        parts.append(f"{getattr(record, 'event', 'log')}: {record.getMessage()}")
+            parts.append(f"[{printable(instance)}]")
+        parts.append(f"{printable(getattr(record, 'event', 'log'))}: "
+                     f"{printable(record.getMessage())}")
         for key, value in getattr(record, "fields", {}).items():
-            parts.append(f"{key}={json.dumps(value, default=str)}")
+            parts.append(f"{printable(key)}={json.dumps(value, default=str)}")
         text = " ".join(parts)
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+            trace = self.formatException(record.exc_info)
+            text += "\n" + "\n".join(printable(line) for line in trace.split("\n"))
         return scrub(text)
 
 
@@ -97,3 +102,30 @@ class Events:
         self.logger.exception(
             message, extra={"event": event, "instance": self.instance, "fields": fields}
         )
+
+
+class LoopFailures:
+    """For a long-running loop that must survive its own exceptions: each
+    failure is said once, with its traceback, not at every turn. The same
+    failure again is said again only after the loop recovered or failed
+    differently in between; a recovery is said too."""
+
+    def __init__(self, events: Events, event: str, message: str):
+        self.events = events
+        self.event = event
+        self.message = message
+        self._last: Optional[str] = None  # the failure said last, while it lasts
+
+    def failed(self) -> None:
+        """Call from the `except` block."""
+        exc = sys.exc_info()[1]
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._last:
+            self.events.exception(self.event, self.message)
+            self._last = what
+
+    def ok(self) -> None:
+        """Call after a turn that went through."""
+        if self._last is not None:
+            self.events.info(self.event, f"recovered after: {self._last}")
+            self._last = None

@@ -8,18 +8,19 @@ monitors; everything a tick touches is injected, so tests drive it with fakes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from .act import ActionResult
 from .policy import RestartPolicy
-from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
+from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import judge as judge_module
 from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
-from .probe import UNREACHABLE, ProbeResult
+from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
@@ -61,6 +62,7 @@ class Monitor:
         action: Optional[RestartAction],  # None: watch and report, never restart
         url: str = "",
         heartbeat: Optional[HeartbeatTracker] = None,
+        heartbeat_file: "Optional[str | os.PathLike[str]]" = None,  # read once per tick
         process: Optional[ProcessEvidence] = None,
         listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
         events: Optional[Events] = None,
@@ -78,6 +80,7 @@ class Monitor:
         self.action = action
         self.url = redact_url(url)
         self.heartbeat = heartbeat
+        self.heartbeat_file = heartbeat_file
         self.process = process
         self.listener = listener  # listener.ListenerCheck: who holds the port
         self._heartbeat_problem: Optional[str] = None
@@ -89,6 +92,10 @@ class Monitor:
         self.clock = clock
         self.wall_clock = wall_clock
         self.verdict: Optional[Verdict] = None
+        # Set (a plain assignment, safe in a signal handler) when whoever runs
+        # this monitor is stopping: an exit or a failure is then expected,
+        # nothing to restart and nothing to warn about.
+        self.stopping = False
         self.restarts = 0
         self._since = wall_clock()
         self._last_probe: Optional[Dict[str, Any]] = None
@@ -96,6 +103,7 @@ class Monitor:
         self._state_error: Optional[str] = None
         self._process_problem: Optional[str] = None
         self._last_ok_probe: Optional[float] = None
+        self._abandoned = 0  # probes in a row abandoned while awaiting their answer
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
         self._warning: Optional[str] = None  # the shim's known-bad-install line
@@ -114,14 +122,23 @@ class Monitor:
         if exited is not None:
             return self._tick_exited(exited)
         probe = self.probe()
+        self._note_abandoned(probe)
+        port_held_by = self.listener(probe) if self.listener else None
+        if port_held_by and probe.ok:
+            # Another process answered: no evidence our server serves. Not a
+            # "last ok probe", not up, no reset of the backoff.
+            probe = replace(probe, status=UNHEALTHY, tokens=0, warning=None,
+                            reason=f"not our server's answer: {port_held_by}")
         # A failed probe is when CPU time matters: then look for new child
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
-        beat = self.heartbeat.sample() if self.heartbeat else None
+        # One read of the heartbeat file for all its readers (safe: no link,
+        # no FIFO), so they agree, and a planted FIFO cannot block the tick.
+        record = read_record(self.heartbeat_file) if self.heartbeat_file else None
+        beat = self.heartbeat.observe(record) if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
-        port_held_by = self.listener(probe) if self.listener else None
-        self._observe_server()
+        self._observe_server(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -145,6 +162,8 @@ class Monitor:
             self._process_problem = sample.problem
         if probe.ok:
             self.policy.healthy(now)
+        elif self._delivered(beat):
+            self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
             verdict = self.restart(verdict)
         self.report(verdict, probe)
@@ -165,10 +184,10 @@ class Monitor:
         self.report(verdict)
         return verdict
 
-    def _observe_server(self) -> None:
-        """Throughput counters from the heartbeat, and new crash reports."""
+    def _observe_server(self, record: Optional[Dict[str, Any]]) -> None:
+        """Throughput counters from the heartbeat record, and new crash reports."""
         if self.throughput is not None:
-            reading = self.throughput.sample()
+            reading = self.throughput.observe(record)
             if reading is not None:
                 if self.metrics is not None:
                     self.metrics.observe_throughput(self.name, reading)
@@ -193,6 +212,8 @@ class Monitor:
         """Restart for verdict, if the policy allows; returns what happened."""
         if self.action is None:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
+        if self.stopping:  # a normal stop: not a failure
+            return replace(verdict, restart=False, reason=f"{verdict.reason}; stopping")
         now = self.clock()
         decision = self.policy.check(now)
         if decision.crash_looping:
@@ -232,7 +253,7 @@ class Monitor:
         previous, self.verdict = self.verdict, verdict
         if previous is None or previous.state != verdict.state:
             self._since = self.wall_clock()
-            calm = verdict.state in (HEALTHY, STARTING)
+            calm = verdict.state in (HEALTHY, STARTING) or self.stopping
             log = self.events.info if calm else self.events.warning
             log("state", f"{verdict.state}: {verdict.reason}", state=verdict.state)
         if probe is not None:
@@ -282,6 +303,24 @@ class Monitor:
             self.events.warning("install", warning)
         self._warning = warning
 
+    def _note_abandoned(self, probe: ProbeResult) -> None:
+        """Say once (per run) that abandoned probes pile up on the server.
+
+        A probe that stops waiting leaves its request on the server, which
+        answers it late or never (a hang): one more per probe interval until
+        the server answers or the judge restarts it. Bounded by the judge's
+        own budget (README, "Probes in flight"), but said, once.
+        """
+        if not getattr(probe, "abandoned", False):
+            self._abandoned = 0
+            return
+        self._abandoned += 1
+        if self._abandoned == 2:
+            self.events.warning(
+                "probe", "a probe was abandoned while the previous one may still be in flight "
+                "on the server: abandoned probes stay there as requests, one per probe "
+                "interval, until it answers them or is restarted")
+
     def _note_heartbeat_problem(self) -> None:
         """Say once (per change) why the heartbeat is unusable or ignored."""
         problem = getattr(self.heartbeat, "problem", None)
@@ -301,6 +340,10 @@ class Monitor:
             and beat.started is not None
             and beat.started >= self._boot_wall - self._START_SLACK_S
         )
+
+    def _delivered(self, beat: Optional[HeartbeatReading]) -> bool:
+        """The new server's own heartbeat says it delivered tokens."""
+        return self._loaded(beat) and bool(beat.delivered)
 
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.

@@ -61,6 +61,10 @@ class ProbeResult:
     # known-bad install (an mlx-lm and mlx pair that dies on the first
     # request, a yanked release).
     warning: Optional[str] = None
+    # The probe stopped waiting (timeout, give-up) for the answer to a
+    # request the server had been sent: that request may stay in flight on
+    # the server until it answers it or is restarted.
+    abandoned: bool = False
 
     @property
     def ok(self) -> bool:
@@ -179,8 +183,10 @@ class Probe:
                 raise _Failed(UNREACHABLE, f"cannot connect to {target.netloc}: {_oserror(exc)}") from None
             try:
                 conn.request(method, target.path + path, body=body, headers=headers)
+                deadline.awaiting = True
                 response = conn.getresponse()
                 data = response.read(self.max_body + 1)
+                deadline.awaiting = False
             except (OSError, http.client.HTTPException) as exc:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
                     raise self._timed_out(deadline) from None
@@ -197,8 +203,11 @@ class Probe:
     def _timed_out(self, deadline: "_Deadline") -> "_Failed":
         if deadline.gave_up:
             waited = self.timeout - max(0.0, deadline.ends_in())
-            return _Failed(UNHEALTHY, f"no answer after {waited:.0f}s, and {deadline.gave_up}")
-        return _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
+            failed = _Failed(UNHEALTHY, f"no answer after {waited:.0f}s, and {deadline.gave_up}")
+        else:
+            failed = _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
+        failed.fields["abandoned"] = deadline.awaiting
+        return failed
 
 
 def _read_completion(status: int, body: bytes) -> dict:
@@ -358,6 +367,7 @@ class _Deadline:
         self._timer.daemon = True
         self.expired = False
         self.gave_up: Optional[str] = None  # why the probe stopped waiting early
+        self.awaiting = False  # a request was sent, its answer not read yet
         self._give_up = give_up
         self._done = threading.Event()
 

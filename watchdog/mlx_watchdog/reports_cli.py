@@ -7,7 +7,15 @@ from typing import Optional
 
 import click
 
-from .reports import find_report, format_markdown, format_table, load_reports, report_dir
+from .redact import printable
+from .reports import (
+    UNREADABLE,
+    find_report,
+    format_markdown,
+    format_table,
+    load_reports,
+    report_dir,
+)
 
 _DIR_HELP = ("The report folder. [default: $MLX_HOTFIX_REPORT_DIR, "
              "~/Library/Logs/mlx-watchdog/reports on macOS, "
@@ -30,9 +38,10 @@ def reports_command(ctx: click.Context, directory: Optional[str], as_json: bool,
     if as_json:
         click.echo(json.dumps(reports, indent=1, sort_keys=True))
     elif markdown:
-        if not reports:
-            raise click.ClickException(f"no reports in {ctx.obj}")
-        click.echo(format_markdown(reports[0]), nl=False)
+        readable = [r for r in reports if not r.get(UNREADABLE)]
+        if not readable:
+            raise click.ClickException(f"no readable reports in {ctx.obj}")
+        click.echo(format_markdown(readable[0]), nl=False)
     else:
         click.echo(format_table(reports) if reports else f"no reports in {ctx.obj}")
 
@@ -47,6 +56,9 @@ def show_command(directory, report_id: str, markdown: bool) -> None:
     if report is None:
         raise click.ClickException(f"no report {report_id!r} in {directory} "
                                    "(see `mlx-watchdog reports`)")
+    if markdown and report.get(UNREADABLE):
+        raise click.ClickException(
+            printable(f"unreadable report {report['id']}: {report[UNREADABLE]}"))
     click.echo(format_markdown(report) if markdown else json.dumps(report, indent=1,
                                                                      sort_keys=True),
                nl=not markdown)

@@ -12,7 +12,8 @@ Before a wedged child is stopped, SIGUSR1 asks the shim for every thread's
 stack and a `wedged` report keeps them (reports.py). SIGTERM or SIGINT is
 passed on to the child, then the supervisor exits 0; SIGHUP (a closed
 terminal) and SIGQUIT stop it the same way, with SIGTERM to the child. A tick
-that raises is logged with its traceback and the loop goes on.
+that raises is logged with its traceback, once while the same failure lasts,
+and the loop goes on.
 
 The child never outlives its supervisor: however the supervisor ends (signal,
 exception, crash of the loop) its child goes with it; on Linux it gets SIGTERM
@@ -43,6 +44,7 @@ from .group import clear_heartbeats
 from .policy import RestartPolicy
 from .judge import DOWN, Verdict
 from .listener import ListenerCheck
+from .log import LoopFailures
 from .metrics import Metrics
 from .monitor import ProcessEvidence
 from .probe import ProbeResult
@@ -313,7 +315,9 @@ class Supervisor:
             if code is None:
                 return None
             self._exit = describe_exit(code, self.shim)
-            self.events.warning("exited", f"server {self._exit}", returncode=code)
+            # Asked to stop, the child's exit is what we wanted: no warning.
+            log = self.events.info if self._stopping else self.events.warning
+            log("exited", f"server {self._exit}", returncode=code)
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
@@ -374,6 +378,7 @@ class Supervisor:
         """
         self._stop_signal = signum
         self._stopping = True
+        self.monitor.stopping = True  # a tick under way restarts nothing
         child = self.child
         if child is not None and self._signalled != child.pid:
             self._signalled = child.pid
@@ -404,14 +409,16 @@ class Supervisor:
                 signal.SIGCHLD, lambda signum, _: self._wakeup.wake()
             )
         atexit.register(self._kill_child)  # even if the loop itself breaks
+        failures = LoopFailures(self.events, "tick-error", "a tick failed; supervising goes on")
         try:
             self.start()
             while not self._stopping:
                 began = self._clock()
                 try:
                     self.tick()
+                    failures.ok()
                 except Exception:  # noqa: BLE001 - a bug in one tick must not end supervision
-                    self.events.exception("tick-error", "a tick failed; supervising goes on")
+                    failures.failed()
                 # While waiting to respawn, look again soon: the backoff may be short.
                 interval = self.interval_s if self.child is not None else min(self.interval_s, 1.0)
                 if not self._stopping:

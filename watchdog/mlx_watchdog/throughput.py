@@ -17,7 +17,6 @@ Older shims write no counters; every field is optional.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -31,18 +30,7 @@ COUNTERS = {
     "requests": "requests",
     "cancelled": "cancelled_requests",
 }
-_MAX_BYTES = 4096
 RATE_WINDOW_S = 60.0  # tok/s in `status` is the mean over about this long
-
-
-def read_record(path: "str | os.PathLike[str]") -> Optional[Dict[str, object]]:
-    """The heartbeat file as a dict, or None if missing, partial or garbage."""
-    try:
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read(_MAX_BYTES))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _count(value: object) -> Optional[int]:
@@ -98,26 +86,24 @@ class ThroughputReading:
 
 
 class ThroughputTracker:
-    """Reads the heartbeat counters each tick; keeps totals and recent rates."""
+    """The heartbeat's counters, observed each tick; keeps totals and recent
+    rates. The monitor reads the heartbeat file once per tick
+    (heartbeat.read_record) for this and the HeartbeatTracker both."""
 
     def __init__(
         self,
-        path: "str | os.PathLike[str]",
         *,
         window_s: float = RATE_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
-        read: Callable[..., Optional[Dict[str, object]]] = read_record,
     ):
-        self.path = path
         self.window_s = window_s
         self._clock = clock
-        self._read = read
         self.totals = CounterTotals()
         self._history: Deque[Tuple[float, Dict[str, int]]] = collections.deque()
         self.last: Optional[ThroughputReading] = None
 
-    def sample(self) -> Optional[ThroughputReading]:
-        record = self._read(self.path)
+    def observe(self, record: Optional[Mapping[str, object]]) -> Optional[ThroughputReading]:
+        """The reading of one heartbeat record (None: no file, nothing to add)."""
         if record is None:
             return None
         counters = {
