@@ -51,6 +51,9 @@ API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
+# The instance's name, for the shim's crash reports (several instances share a
+# report folder); supervise and install set it.
+INSTANCE_ENV = "MLX_HOTFIX_INSTANCE"
 
 # Installing
 MANAGERS = ("launchd", "systemd")  # the service managers `install` writes for
