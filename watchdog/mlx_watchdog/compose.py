@@ -57,6 +57,7 @@ def build_monitor(
     state: Optional[StateStore] = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    expect_shim: Optional[bool] = None,  # default: when a heartbeat file is configured
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
     # Every rank's heartbeat when the server is an mlx.launch group (group.py).
@@ -86,6 +87,9 @@ def build_monitor(
         reports=ReportWatcher(reports.report_dir(instance.report_dir)),
         clock=clock,
         wall_clock=wall_clock,
+        # A tick lasts at most a probe; the state file says so, for `status`.
+        update_every_s=instance.interval + instance.timeout,
+        expect_shim=expect_shim,
     )
 
 

@@ -70,6 +70,8 @@ class Monitor:
         reports: Optional[ReportWatcher] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
+        expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
     ):
         self.name = name
         self.probe = probe
@@ -99,6 +101,11 @@ class Monitor:
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
         self._warning: Optional[str] = None  # the shim's known-bad-install line
+        self.update_every_s = update_every_s
+        # The shim is expected (a heartbeat file is configured): is it loaded?
+        self.expect_shim = heartbeat is not None if expect_shim is None else expect_shim
+        self._shim_seen = False  # a fresh heartbeat since the (re)start
+        self._shim_warning: Optional[str] = None
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -120,6 +127,7 @@ class Monitor:
         beat = self.heartbeat.sample() if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
+        self._note_shim(beat, probe)
         port_held_by = self.listener(probe) if self.listener else None
         self._observe_server()
         now = self.clock()
@@ -268,7 +276,37 @@ class Monitor:
             "server": self._server,
             "newest_report": self._newest_report,
             "warning": self._warning,
+            "shim_warning": self._shim_warning,
+            "interval_s": self.update_every_s,
         }
+
+    SHIM_NOT_LOADED = ("the hotfix shim is not loaded (check PYTHONPATH); exit on death and "
+                       "stall detection are off")
+
+    def _note_shim(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
+        """A heartbeat file is configured but the server never beats: it runs
+        without the shim (a PYTHONPATH to a folder that is gone), so a death
+        would leave a zombie. Said once, loudly, when the boot grace is over
+        and the server answers (a shimmed server that answers has beaten
+        within a second or so: the idle loop turns about ten times a second)."""
+        if not self.expect_shim or self.heartbeat is None:
+            return
+        fresh = beat is not None and beat.age_s <= self.judge.config.heartbeat_timeout_s
+        if fresh:
+            if not self._shim_seen and self.metrics is not None:
+                self.metrics.shim(self.name, True)
+            if self._shim_warning is not None:
+                self.events.info("shim", "the hotfix shim is loaded now (heartbeat seen)")
+            self._shim_seen, self._shim_warning = True, None
+            return
+        if self._shim_seen or self._shim_warning is not None:
+            return
+        if probe.ok and not self.policy.in_grace(self.clock()):
+            problem = getattr(self.heartbeat, "problem", None)
+            self._shim_warning = self.SHIM_NOT_LOADED + (f" ({problem})" if problem else "")
+            self.events.error("shim", self._shim_warning)
+            if self.metrics is not None:
+                self.metrics.shim(self.name, False)
 
     def _note_warning(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
         """The shim's warning about its install (a pair that dies on the first
@@ -306,6 +344,7 @@ class Monitor:
         # A new server process: old counters, heartbeat and CPU totals are moot.
         self._boot_wall = self.wall_clock()
         self._warning = None  # the new server says its own
+        self._shim_seen = False  # the new server must beat again
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

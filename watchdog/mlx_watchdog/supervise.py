@@ -280,6 +280,7 @@ class Supervisor:
             state=state,
             clock=clock,
             wall_clock=wall_clock,
+            expect_shim=shim and heartbeat_file is not None,
         )
         self.events = self.monitor.events
 
@@ -442,16 +443,20 @@ class Supervisor:
             child.signal_group(signal.SIGKILL)  # stragglers in its group
 
     def shutdown(self) -> None:
-        if self.monitor.state is not None:
-            self.monitor.state.flush()
-        if self.child is None:
-            return
-        pid, name = self.child.pid, signal.Signals(self._stop_signal).name
-        self.events.info("stopping", f"{name} to pid {pid}, SIGKILL after {self.stop_grace_s:g}s")
-        already = self._signalled == pid
-        code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
-        self.child = None
-        self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
+        state = self.monitor.state
+        if state is not None:
+            state.flush()
+        name = signal.Signals(self._stop_signal).name
+        if self.child is not None:
+            pid = self.child.pid
+            self.events.info("stopping",
+                             f"{name} to pid {pid}, SIGKILL after {self.stop_grace_s:g}s")
+            already = self._signalled == pid
+            code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
+            self.child = None
+            self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
+        if state is not None:
+            state.stopped(f"the supervisor stopped ({name}), and its server with it")
 
 
 def reports_argv(command: Sequence[str]) -> List[str]:

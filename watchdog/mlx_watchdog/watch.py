@@ -165,9 +165,9 @@ class Watcher:
             self._wakeup.close()
         for thread in threads:
             thread.join(timeout=1.0)  # a probe in flight is abandoned at exit
-        for monitor in self.monitors.values():
-            if monitor.state is not None:
-                monitor.state.flush()
+        stores = {id(m.state): m.state for m in self.monitors.values() if m.state is not None}
+        for store in stores.values():
+            store.stopped("the watchdog stopped (the server may still run, unwatched)")
         return 0
 
     def _loop(self, monitor: Monitor, interval: float) -> None:
