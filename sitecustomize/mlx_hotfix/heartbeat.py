@@ -339,17 +339,19 @@ def loop_iteration():
         _beat_file(phase())
 
 
-def delivered(kind):
+def delivered(kind, counted=True):
     """One item for a client left the generation thread: "prompt" (a prompt
-    progress report) or "token" (a generated token)."""
+    progress report) or "token" (a generated token). counted=False (a
+    watchdog's probe): progress all the same, but not throughput."""
     global _delivered, _prompt_tokens, _decode_tokens, _last_delivery
     global _last_delivery_mono, _progress_mono
     now = time.monotonic()
-    _delivered += 1
-    if kind == "token":
-        _decode_tokens += 1
-    else:
-        _prompt_tokens += 1
+    if counted:
+        _delivered += 1
+        if kind == "token":
+            _decode_tokens += 1
+        else:
+            _prompt_tokens += 1
     _last_delivery = time.time()
     _last_delivery_mono = _progress_mono = now
     if _stalled:
@@ -364,12 +366,14 @@ def request_started():
         _in_flight += 1
 
 
-def request_finished():
-    """A request is done (completed, failed, or its client gone)."""
+def request_finished(counted=True):
+    """A request is done (completed, failed, or its client gone); a probe's
+    (counted=False) is not counted in ``requests``."""
     global _in_flight, _requests
     with _count_lock:
         _in_flight = max(0, _in_flight - 1)
-        _requests += 1
+        if counted:
+            _requests += 1
 
 
 def cancelled():
