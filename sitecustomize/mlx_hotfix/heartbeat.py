@@ -434,6 +434,23 @@ def serving_again():
     _down = False
 
 
+def died(summary, during_startup):
+    """The server is about to exit for a death: leave its one-line cause in the
+    heartbeat file (the ``death`` field), where the watchdog reads it when the
+    process is gone: a start-up failure (a bad --model, a taken port) is then
+    named by its own cause, not by the exit code. ``cause`` is the class of
+    the death, kept for a classifier (None: not classified). Never raises."""
+    try:
+        if not config.current().heartbeat_file:
+            return
+        data = record(phase())
+        data["death"] = {"summary": summary, "during_startup": bool(during_startup),
+                         "time": time.time(), "cause": None}
+        _write(data)
+    except Exception:  # noqa: BLE001 - the exit goes on whatever happens here
+        pass
+
+
 def notify_stopping(text):
     notifier = _systemd()
     if notifier is not None:

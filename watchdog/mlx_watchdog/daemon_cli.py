@@ -236,6 +236,8 @@ def supervise_command(
                 url = group_command.probe_url() if group_command else url_from_command(command)
             except ValueError as exc:
                 raise click.UsageError(f"{exc}; pass --url") from None
+        if group_command is None:
+            _check_before_start(command, listener_check)
         metrics = _metrics(metrics_port, metrics_host)
         state = StateStore(state_file or default_state_path())
         name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
@@ -411,6 +413,39 @@ def _state_files() -> "list[Path]":
         if path not in unique:
             unique.append(path)
     return unique
+
+
+def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
+    """install's checks of a server's flags, before the first start: a model
+    path that does not exist, or a port another process holds, would only
+    make the server die at every start, forever. (Skipped for the port with
+    --no-listener-check: then the port may well be held by something that
+    forwards to the child.)"""
+    from .install.hostcheck import check_port_free, looks_like_local_path, resolve_model
+    from .install.instance import FlagError
+    from .urls import _flags, bind_host
+
+    model = _flag_value(command, "--model")
+    try:
+        if model is not None and looks_like_local_path(model):
+            resolve_model(model)
+        port = _flags(command)["--port"]
+        if listener_check and port is not None and port.isdigit():
+            check_port_free(bind_host(command), int(port))
+    except FlagError as exc:
+        raise click.ClickException(
+            f"cannot start the server: {exc.flag} {exc.message}; it would die at every start "
+            "(fix the command, or free the port)") from None
+
+
+def _flag_value(command: Tuple[str, ...], flag: str) -> Optional[str]:
+    value = None
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            value = command[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from . import __version__, defaults
 from .safefile import write_atomically
@@ -182,6 +182,23 @@ def capture_stacks(
         return write_report(directory, report)
     except Exception:  # noqa: BLE001 - evidence must never block the restart
         return None
+
+
+def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
+    """A report's `instance` field, as the shim writes it: name, port, model."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = None
+    model = None
+    for i, arg in enumerate(command):
+        if arg == "--model" and i + 1 < len(command):
+            model = command[i + 1]
+        elif arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+    return {"name": name, "port": port, "model": model}
 
 
 # -- reading -----------------------------------------------------------------

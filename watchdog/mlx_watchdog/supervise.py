@@ -46,6 +46,7 @@ from .listener import ListenerCheck
 from .metrics import Metrics
 from .monitor import ProcessEvidence
 from .probe import ProbeResult
+from .redact import printable
 from .process import CpuSampler, ProcessNotFound, ProcessSample, terminate_with_grace
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
@@ -56,9 +57,16 @@ class SupervisorError(Exception):
     """The supervisor cannot start (for instance, the command does not exist)."""
 
 
-def describe_exit(code: Optional[int], shim: bool = True) -> str:
+def describe_exit(code: Optional[int], shim: bool = True,
+                  death: Optional[Mapping[str, object]] = None) -> str:
+    """How a child ended, for people. death: the shim's own record of why
+    (the heartbeat's ``death`` field, see last_death), which names the real
+    cause of a start-up failure (a bad --model, a taken port)."""
     if code is None:
         return "did not exit"
+    if death and isinstance(death.get("summary"), str):
+        when = " at start-up" if death.get("during_startup") else ""
+        return f"exited with code {code}{when}: {printable(death['summary'])[:300]}"
     if code == defaults.SHIM_EXIT_CODE and shim:
         return f"exited with code {code} (the hotfix shim saw the generation thread die)"
     if code < 0:
@@ -67,6 +75,20 @@ def describe_exit(code: Optional[int], shim: bool = True) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def last_death(heartbeat_file: "Optional[str | os.PathLike[str]]",
+               pid: int) -> Optional[Mapping[str, object]]:
+    """The shim's death record for process pid (the heartbeat's ``death``
+    field, written just before it exits), or None."""
+    if heartbeat_file is None:
+        return None
+    from .throughput import read_record
+
+    record = read_record(heartbeat_file)
+    if not record or record.get("pid") != pid or not isinstance(record.get("death"), dict):
+        return None
+    return record["death"]
 
 
 class Child:
@@ -251,6 +273,7 @@ class Supervisor:
         if heartbeat_file is not None:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
         self.env[PARENT_PID_ENV] = str(os.getpid())
+        self.env[defaults.INSTANCE_ENV] = instance.name  # the shim's reports name it
         self.interval_s = instance.interval
         self.stop_grace_s = instance.stop_grace
         self.report_dir = reports.report_dir(instance.report_dir)
@@ -313,7 +336,8 @@ class Supervisor:
             code = self.child.poll()
             if code is None:
                 return None
-            self._exit = describe_exit(code, self.shim)
+            death = last_death(self.heartbeat_file, self.child.pid) if self.shim else None
+            self._exit = describe_exit(code, self.shim, death)
             self.events.warning("exited", f"server {self._exit}", returncode=code)
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
@@ -346,7 +370,9 @@ class Supervisor:
             directory=self.report_dir,
             heartbeat_file=self.heartbeat_file,
             wait_s=self.stacks_wait_s,
-            extra={"command": reports_argv(self.command)},
+            extra={"command": reports_argv(self.command),
+                   "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                               self.command)},
         )
         if path is not None:
             self.last_report = str(path)

@@ -69,7 +69,7 @@ class StacksFirst:
                 path = reports.capture_stacks(
                     pids, reason=reason, directory=self.report_dir,
                     heartbeat_file=self.instance.heartbeat_file,
-                    extra={"instance": self.instance.name})
+                    extra={"instance": reports.instance_field(self.instance.name, self.instance.url)})
                 self.last_report = str(path) if path else None
         except Exception:  # noqa: BLE001 - evidence never blocks the restart
             pass
