@@ -232,6 +232,29 @@ def find_report(directory: Path, wanted: str) -> Optional[Dict[str, Any]]:
     return prefixed[0] if len(prefixed) == 1 else None
 
 
+def instance_label(report: Dict[str, Any]) -> str:
+    """The instance a report names, short: its name, else :PORT, else "-"."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance
+    if not isinstance(instance, dict):
+        return "-"
+    if instance.get("name"):
+        return str(instance["name"])
+    return f":{instance['port']}" if instance.get("port") else "-"
+
+
+def matches_instance(report: Dict[str, Any], wanted: str) -> bool:
+    """`reports --instance WANTED`: the instance's name, or its port."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance == wanted
+    if not isinstance(instance, dict):
+        return False
+    return instance.get("name") == wanted or (
+        wanted.lstrip(":").isdigit() and instance.get("port") == int(wanted.lstrip(":")))
+
+
 def summary(report: Dict[str, Any]) -> str:
     exc = report.get("exception") or {}
     if exc:
@@ -239,17 +262,22 @@ def summary(report: Dict[str, Any]) -> str:
     else:
         text = report.get("reason") or ""
     line = " ".join(str(text).split())
-    return line[:100] + ("..." if len(line) > 100 else "")
+    line = line[:100] + ("..." if len(line) > 100 else "")
+    repeats = report.get("repeats")
+    if isinstance(repeats, int) and repeats > 1:
+        line = f"({repeats} times, at start-up) {line}"
+    return line
 
 
 def format_table(reports: List[Dict[str, Any]]) -> str:
     if not reports:
         return "no reports"
-    rows = [("#", "ID", "TIME", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
+    rows = [("#", "ID", "TIME", "INSTANCE", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
     for i, r in enumerate(reports, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time") or 0))
         versions = r.get("versions") or {}
-        rows.append((str(i), r["id"], when, str(r.get("kind")), str(r.get("pid")),
+        rows.append((str(i), r["id"], when, instance_label(r), str(r.get("kind")),
+                     str(r.get("pid")),
                      str(versions.get("mlx_lm", "-")),
                      "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r)))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]

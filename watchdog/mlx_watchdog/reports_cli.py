@@ -7,7 +7,8 @@ from typing import Optional
 
 import click
 
-from .reports import find_report, format_markdown, format_table, load_reports, report_dir
+from .reports import (find_report, format_markdown, format_table, load_reports,
+                      matches_instance, report_dir)
 
 _DIR_HELP = ("The report folder. [default: $MLX_HOTFIX_REPORT_DIR, "
              "~/Library/Logs/mlx-watchdog/reports on macOS, "
@@ -19,14 +20,19 @@ _DIR_HELP = ("The report folder. [default: $MLX_HOTFIX_REPORT_DIR, "
 @click.option("--json", "as_json", is_flag=True, help="Print every report as a JSON list.")
 @click.option("--markdown", is_flag=True, help="Print the newest report as Markdown, ready to "
               "paste into an upstream issue (no prompts, no keys).")
+@click.option("--instance", default=None, metavar="NAME",
+              help="Only the reports of this instance (its name as in `status`, or its port).")
 @click.pass_context
 def reports_command(ctx: click.Context, directory: Optional[str], as_json: bool,
-                    markdown: bool) -> None:
-    """List crash reports, newest first (see `reports show ID`)."""
+                    markdown: bool, instance: Optional[str]) -> None:
+    """List crash reports, newest first, with the instance each one is about
+    (see `reports show ID`)."""
     ctx.obj = report_dir(directory)
     if ctx.invoked_subcommand is not None:
         return
     reports = load_reports(ctx.obj)
+    if instance is not None:
+        reports = [r for r in reports if matches_instance(r, instance)]
     if as_json:
         click.echo(json.dumps(reports, indent=1, sort_keys=True))
     elif markdown:
@@ -34,7 +40,8 @@ def reports_command(ctx: click.Context, directory: Optional[str], as_json: bool,
             raise click.ClickException(f"no reports in {ctx.obj}")
         click.echo(format_markdown(reports[0]), nl=False)
     else:
-        click.echo(format_table(reports) if reports else f"no reports in {ctx.obj}")
+        where = f"{ctx.obj}" + (f" for instance {instance}" if instance is not None else "")
+        click.echo(format_table(reports) if reports else f"no reports in {where}")
 
 
 @reports_command.command("show")
