@@ -318,3 +318,13 @@ def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat():
                               ("loading", 99, False), ("stalled", 1, True)):
         tracker.beat = HeartbeatReading(age_s=age, phase=phase, beats=1, pid=1)
         assert bool(why()) is stale, (phase, age)
+
+
+def test_a_url_ending_in_v1_is_the_server_root():
+    from mlx_watchdog.probe import check_url
+
+    # What every OpenAI client config holds; the probe adds /v1/... itself.
+    assert check_url("http://127.0.0.1:8080/v1") == "http://127.0.0.1:8080"
+    assert check_url("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080"
+    assert check_url("https://proxy.lan/mlx/v1") == "https://proxy.lan/mlx"
+    assert check_url("http://127.0.0.1:8080/v1beta") == "http://127.0.0.1:8080/v1beta"

@@ -16,7 +16,7 @@ from .act import ActionResult
 from .policy import RestartPolicy
 from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
 from . import judge as judge_module
-from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
+from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
 from .probe import UNREACHABLE, ProbeResult
@@ -218,7 +218,11 @@ class Monitor:
         )
         result = self.action.restart(verdict.reason)
         self.policy.record_restart(now)
-        self._forget()
+        if result.ok:
+            self._forget()
+        else:
+            # Nothing was started: no boot grace, and no "starting" to show.
+            self.policy.end_grace(now)
         self.restarts += 1
         self._last_restart = {
             "time": self.wall_clock(),
@@ -233,7 +237,9 @@ class Monitor:
             self.events.info("restarted", result.detail)
             return replace(verdict, reason=f"{verdict.reason}; restarted")
         self.events.error("restart-failed", result.detail)
-        return replace(verdict, reason=f"{verdict.reason}; restart failed: {result.detail}")
+        state = verdict.state if verdict.state == CRASH_LOOPING else DOWN
+        return replace(verdict, state=state,
+                       reason=f"restart failed: {result.detail}; {verdict.reason}")
 
     def report(self, verdict: Verdict, probe: Optional[ProbeResult] = None) -> None:
         """Log a change of state, update the state file and the metrics."""

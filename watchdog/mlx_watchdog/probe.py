@@ -291,7 +291,17 @@ def check_url(url: str) -> str:
             f"invalid URL {shown!r}: {problem}; expected http(s)://HOST[:PORT], "
             'like "http://127.0.0.1:8080"'
         )
-    return url.rstrip("/")
+    return server_root(url)
+
+
+def server_root(url: str) -> str:
+    """url without a trailing slash or a trailing /v1: what OpenAI clients are
+    given (http://host:8080/v1) names the same server as its root, which is
+    what the probe needs (it adds /v1/chat/completions and /health itself)."""
+    url = url.rstrip("/")
+    if url.lower().endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
 
 
 def url_problem(url: object) -> Optional[str]:

@@ -64,7 +64,9 @@ class StacksFirst:
 
     def restart(self, reason: str) -> ActionResult:
         try:
-            pids = self._pids()
+            # A pid from a stale heartbeat file, or a process already gone,
+            # has no stacks to give: no report about a process that is gone.
+            pids = [pid for pid in self._pids() if _running(pid)]
             if pids:
                 path = reports.capture_stacks(
                     pids, reason=reason, directory=self.report_dir,
@@ -74,6 +76,15 @@ class StacksFirst:
         except Exception:  # noqa: BLE001 - evidence never blocks the restart
             pass
         return self.action.restart(reason)
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def build_action(spec: RestartConfig) -> Optional[RestartAction]:
