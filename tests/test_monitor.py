@@ -474,3 +474,30 @@ def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
     assert f"  WARNING: {BAD_PAIR}" in text.splitlines()  # shown although healthy
     del data["instances"]["gemma"]["warning"]
     assert "WARNING" not in format_status(data, now=1000.0, pid_alive=lambda pid: True)
+
+
+def test_a_long_start_says_how_it_goes_every_30s(tmp_path, logs):
+    # Each probe moves the clock 5 s; a minute and a half of boot grace.
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 19, boot_grace=600)
+    monitor.started()
+    for _ in range(19):
+        assert monitor.tick().state == "starting"
+    progress = [e["message"] for e in logs() if e["event"] == "loading"]
+    assert progress == [f"still starting after {s}s: timed out after 10s" for s in (30, 60, 90)]
+
+
+def test_text_log_lines_say_each_thing_once():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    from mlx_watchdog.log import Events
+
+    events = Events("qwen")
+    events.info("spawned", "started pid 20864", pid=20864)
+    events.warning("exited", "server exited with code 70", returncode=70)
+    events.warning("restart", "restarting: server exited", state="down", cause="exited",
+                   restarts_in_a_row=0)
+    setup_logging("text")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("[qwen] spawned: started pid 20864")
+    assert lines[1].endswith("exited: server exited with code 70")
+    assert lines[2].endswith('restart: restarting: server exited state="down" restarts_in_a_row=0')

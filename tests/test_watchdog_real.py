@@ -505,7 +505,8 @@ def test_the_api_key_is_sent_and_never_shown(watchdogs, tmp_path):
             status = subprocess.run(
                 [sys.executable, "-m", "mlx_watchdog", "status", "--json", "--state-file",
                  str(run.state_path)], capture_output=True, text=True, timeout=60)
-            assert status.returncode == 0 and "invalid key ***" in status.stdout, status
+            # Exit 1: the watchdog stopped, so nothing is watched (stopped, not healthy).
+            assert status.returncode == 1 and "invalid key ***" in status.stdout, status
             assert "invalid key ***" in run.text()  # the echo was scrubbed, not dropped
             for where, text in [("log", run.text()), ("state file", run.state_path.read_text()),
                                 ("status --json", status.stdout + status.stderr),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -274,7 +275,10 @@ def supervise_command(
             metrics=metrics,
             state=state,
         )
-        supervisor.events.info("supervise", f"supervising {command[0]}, probing {url}")
+        from .redact import redact_argv, redact_url
+
+        supervisor.events.info("supervise", f"supervising `{shlex.join(redact_argv(list(command)))}`"
+                                            f", probing {redact_url(url)}")
         try:
             code = supervisor.run()
         except SupervisorError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import datetime
 from typing import IO, Any, Optional
@@ -40,15 +41,25 @@ class JsonFormatter(logging.Formatter):
         return scrub(json.dumps(line, default=str))
 
 
+def _said(value: Any, message: str) -> bool:
+    """Whether the message already says value (as a whole word)."""
+    if isinstance(value, (dict, list, tuple)) or value is None or value == "":
+        return False
+    text = re.escape(str(value))
+    return re.search(rf"(?<![\w.-]){text}(?![\w-]|\.\d)", message) is not None
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         instance = getattr(record, "instance", None)
         parts = [_timestamp(record.created), f"{record.levelname:<7}"]
         if instance:
             parts.append(f"[{instance}]")
-        parts.append(f"{getattr(record, 'event', 'log')}: {record.getMessage()}")
+        message = record.getMessage()
+        parts.append(f"{getattr(record, 'event', 'log')}: {message}")
         for key, value in getattr(record, "fields", {}).items():
-            parts.append(f"{key}={json.dumps(value, default=str)}")
+            if not _said(value, message):  # one line per event, nothing said twice
+                parts.append(f"{key}={json.dumps(value, default=str)}")
         text = " ".join(parts)
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)

@@ -93,6 +93,7 @@ class Monitor:
         self.verdict: Optional[Verdict] = None
         self.restarts = 0
         self._since = wall_clock()
+        self._progress_at = self._since
         self._last_probe: Optional[Dict[str, Any]] = None
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
@@ -241,14 +242,20 @@ class Monitor:
         return replace(verdict, state=state,
                        reason=f"restart failed: {result.detail}; {verdict.reason}")
 
+    # While a server starts (a big model loads for minutes), a line this often.
+    PROGRESS_EVERY_S = 30.0
+
     def report(self, verdict: Verdict, probe: Optional[ProbeResult] = None) -> None:
         """Log a change of state, update the state file and the metrics."""
         previous, self.verdict = self.verdict, verdict
         if previous is None or previous.state != verdict.state:
             self._since = self.wall_clock()
+            self._progress_at = self._since
             calm = verdict.state in (HEALTHY, STARTING)
             log = self.events.info if calm else self.events.warning
             log("state", f"{verdict.state}: {verdict.reason}", state=verdict.state)
+        elif verdict.state == STARTING:
+            self._say_progress(verdict)
         if probe is not None:
             self._last_probe = {
                 "status": probe.status,
@@ -313,6 +320,17 @@ class Monitor:
             self.events.error("shim", self._shim_warning)
             if self.metrics is not None:
                 self.metrics.shim(self.name, False)
+
+    def _say_progress(self, verdict: Verdict) -> None:
+        """Every PROGRESS_EVERY_S while starting: how long, and what is known."""
+        now = self.wall_clock()
+        if now - self._progress_at < self.PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        phase = (self._server or {}).get("phase")
+        what = ("the heartbeat says it is loading the model" if phase == "loading"
+                else verdict.reason.removeprefix("boot grace: "))
+        self.events.info("loading", f"still starting after {now - self._since:.0f}s: {what}")
 
     def _note_warning(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
         """The shim's warning about its install (a pair that dies on the first

@@ -151,17 +151,55 @@ class Child:
 PARENT_PID_ENV = "MLX_HOTFIX_PARENT_PID"  # the shim exits when this process is gone
 
 
+SERVER_PREFIX = b"[server] "  # on every line of the child's output, in the watchdog's log
+
+
 def spawn(argv: List[str], env: Mapping[str, str]) -> Child:
-    """Start argv in a new session (its own process group); OSError if it cannot run."""
-    return Child(
-        subprocess.Popen(
-            argv,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=parent_death_signal(),
-        )
+    """Start argv in a new session (its own process group); OSError if it cannot run.
+
+    Its output (stdout and stderr, in order) goes to the watchdog's stderr,
+    each line prefixed SERVER_PREFIX, so that the server's lines and the
+    watchdog's can be told apart in one log (a terminal, the journal)."""
+    popen = subprocess.Popen(
+        argv,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(),
     )
+    threading.Thread(target=relay_output, args=(popen.stdout,), daemon=True,
+                     name="mlx-watchdog-server-output").start()
+    return Child(popen)
+
+
+def relay_output(pipe, prefix: bytes = SERVER_PREFIX) -> None:
+    """Copy pipe to our stderr line by line, prefixed, until EOF (every
+    process of the group closed it). Known secrets are scrubbed, as in every
+    line the watchdog writes. Never raises."""
+    from .redact import scrub
+
+    out = getattr(sys.stderr, "buffer", None)
+    try:
+        for line in iter(pipe.readline, b""):
+            text = scrub(line.decode("utf-8", "replace")).encode("utf-8")
+            try:
+                if out is not None:
+                    out.write(prefix + text)
+                    out.flush()
+                else:
+                    sys.stderr.write((prefix + text).decode("utf-8", "replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone: keep draining, so the child never blocks
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 def parent_death_signal() -> Optional[Callable[[], None]]:
