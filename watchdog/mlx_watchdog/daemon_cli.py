@@ -437,9 +437,12 @@ def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
         if listener_check and port is not None and port.isdigit():
             check_port_free(bind_host(command), int(port))
     except FlagError as exc:
+        fix = {"--model": "give the server a model folder that exists",
+               "--port": "stop what holds the port, or give the server another --port",
+               "--host": "give the server a --host of this machine"}.get(exc.flag, "")
         raise click.ClickException(
-            f"cannot start the server: {exc.flag} {exc.message}; it would die at every start "
-            "(fix the command, or free the port)") from None
+            f"cannot start the server: {exc.flag} {exc.message}; it would die at every start"
+            + (f" ({fix})" if fix else "")) from None
 
 
 def _flag_value(command: Tuple[str, ...], flag: str) -> Optional[str]:
