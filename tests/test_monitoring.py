@@ -27,11 +27,17 @@ _METRIC = re.compile(r"\bmlx_watchdog_[a-z_]+")
 
 
 def _promtool() -> str:
-    path = shutil.which("promtool")
+    return _debian_tool("promtool")
+
+
+def _debian_tool(name: str) -> str:
+    """A command from Debian's prometheus package: CI installs it, and fails
+    rather than skips without it."""
+    path = shutil.which(name)
     if path is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("promtool is missing: .ci/run installs Debian's prometheus package for it")
-        pytest.skip("promtool not installed (apt-get install prometheus); CI installs it")
+            pytest.fail(f"{name} is missing: .ci/run installs Debian's prometheus package")
+        pytest.skip(f"{name} not installed (apt-get install prometheus); CI installs it")
     return path
 
 
@@ -165,12 +171,7 @@ _MATCHER = re.compile(r'(\w+)\s*(=~|!=|!~|=)\s*"([^"]*)"')
 
 
 def _prometheus() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("prometheus is missing: .ci/run installs Debian's prometheus package")
-        pytest.skip("prometheus not installed (apt-get install prometheus); CI installs it")
-    return path
+    return _debian_tool("prometheus")
 
 
 def _grafana_to_promql(expr: str) -> str:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import plistlib
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from typing import Dict, List, Tuple
 import pytest
 import requests
 
+from harness.definitions import read_definition
 from harness.procs import kill_group
 from harness.server import free_port, python_for
 
@@ -61,20 +60,10 @@ class Installed:
     def definition(self, role: str) -> Tuple[List[str], Dict[str, str]]:
         """(argv, environment) of the server's or the watchdog's definition."""
         if self.manager == "launchd":
-            path = (self.home / "Library/LaunchAgents" /
-                    f"io.github.mlx-watchdog.{self.name}.{role}.plist")
-            plist = plistlib.loads(path.read_bytes())
-            return plist["ProgramArguments"], plist["EnvironmentVariables"]
-        unit = self.home / ".config/systemd/user" / f"{self.name}-{role}.service"
-        argv, env = None, {}
-        for line in unit.read_text().splitlines():
-            if line.startswith("ExecStart="):
-                argv = shlex.split(line[len("ExecStart="):])
-            elif line.startswith("Environment="):
-                for assignment in shlex.split(line[len("Environment="):]):
-                    key, _, value = assignment.partition("=")
-                    env[key] = value
-        return argv, env
+            return read_definition(self.home / "Library/LaunchAgents" /
+                                   f"io.github.mlx-watchdog.{self.name}.{role}.plist")
+        return read_definition(self.home / ".config/systemd/user" /
+                               f"{self.name}-{role}.service")
 
     def start(self, role: str, **override: str) -> subprocess.Popen:
         """Run a definition as its manager would: its argv, its environment."""

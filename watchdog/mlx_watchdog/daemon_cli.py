@@ -427,13 +427,13 @@ def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
     forwards to the child.)"""
     from .install.hostcheck import check_port_free, looks_like_local_path, resolve_model
     from .install.instance import FlagError
-    from .urls import _flags, bind_host
+    from .urls import bind_host, flag_value
 
-    model = _flag_value(command, "--model")
+    model = flag_value(command, "--model")
     try:
         if model is not None and looks_like_local_path(model):
             resolve_model(model)
-        port = _flags(command)["--port"]
+        port = flag_value(command, "--port")
         if listener_check and port is not None and port.isdigit():
             check_port_free(bind_host(command), int(port))
     except FlagError as exc:
@@ -443,16 +443,6 @@ def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
         raise click.ClickException(
             f"cannot start the server: {exc.flag} {exc.message}; it would die at every start"
             + (f" ({fix})" if fix else "")) from None
-
-
-def _flag_value(command: Tuple[str, ...], flag: str) -> Optional[str]:
-    value = None
-    for i, arg in enumerate(command):
-        if arg == flag and i + 1 < len(command):
-            value = command[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

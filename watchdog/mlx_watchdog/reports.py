@@ -192,13 +192,9 @@ def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
         port = urlsplit(url).port
     except ValueError:
         port = None
-    model = None
-    for i, arg in enumerate(command):
-        if arg == "--model" and i + 1 < len(command):
-            model = command[i + 1]
-        elif arg.startswith("--model="):
-            model = arg.split("=", 1)[1]
-    return {"name": name, "port": port, "model": model}
+    from .urls import flag_value
+
+    return {"name": name, "port": port, "model": flag_value(command, "--model")}
 
 
 # -- reading -----------------------------------------------------------------
