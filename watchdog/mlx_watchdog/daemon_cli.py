@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Callable, Optional, Tuple
 import click
 
 from . import defaults
-from .log import FORMATS, Events, setup_logging
+from .log import FORMATS, Events, colour_wanted, setup_logging
 from .metrics import Metrics
 from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _SECONDS,
@@ -395,7 +394,7 @@ def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: boo
         click.echo(scrub(json.dumps({"instances": out, "files": [str(p) for p in found]},
                                     indent=2, sort_keys=True)))
     else:
-        colour = sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
+        colour = colour_wanted(no_color)
         click.echo(format_status({"instances": instances}, now=now, colour=colour))
     ctx.exit(0 if shown and all(state in SERVING_STATES for state in shown.values()) else 1)
 

@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import click
 
 from .defaults import HEARTBEAT_ENV, HOST, PORT
+from .log import colour_wanted
 from .shim import shim_dir
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -394,6 +395,6 @@ def doctor_command(ctx: click.Context, python: Optional[str], host: str, port: i
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        colour = sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
+        colour = colour_wanted(no_color)
         click.echo(format_report(report, colour=colour))
     ctx.exit(0 if report["ok"] else 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 from datetime import datetime
@@ -39,6 +40,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return scrub(json.dumps(line, default=str))
+
+
+def colour_wanted(no_color: bool = False) -> bool:
+    """Colour on a terminal, unless --no-color or NO_COLOR (no-color.org: set
+    and not empty) says otherwise."""
+    return sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
 
 
 def _said(value: Any, message: str) -> bool:
