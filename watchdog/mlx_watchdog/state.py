@@ -16,6 +16,7 @@ writes STOPPED. `status --prune` forgets both.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -63,12 +64,15 @@ class StateStore:
         self._written: Optional[Tuple[int, int, int]] = None  # the file as we left it
         self._written_at = float("-inf")
         self._dirty = False
+        self._closed = False  # stopped(): no more updates
 
     def update(self, name: str, record: Dict[str, Any]) -> None:
         now = time.time()
         record = dict(record, daemon_pid=os.getpid(), daemon_started=_started_at(os.getpid()),
                       updated=now)
         with self._lock:
+            if self._closed:
+                return  # a monitor thread still finishing its tick after the stop
             changed = self.records.get(name, {}).get("state") != record.get("state")
             self.records[name] = record
             self._dirty = True
@@ -89,6 +93,7 @@ class StateStore:
         """A clean stop: every instance of this daemon reads STOPPED from now on."""
         now = time.time()
         with self._lock:
+            self._closed = True
             for record in self.records.values():
                 record.update(state=STOPPED, reason=why, since=now, updated=now)
             self._dirty = bool(self.records)
@@ -117,9 +122,11 @@ class StateStore:
             self.error = f"cannot write state file {path}: {exc.strerror or exc}"
 
 
+@functools.lru_cache(maxsize=4)
 def _started_at(pid: int) -> Optional[float]:
     """When process pid started (psutil), or None: with the pid, it names one
-    process for good, whereas a pid alone may be reused."""
+    process for good, whereas a pid alone may be reused. (Cached: asked for
+    our own pid at every update.)"""
     try:
         import psutil
 
