@@ -66,6 +66,7 @@ _progress_mono = time.monotonic()  # last delivery, first request in flight, loa
 _beat_mono = time.monotonic()  # last loop turn
 _stalled = False
 _down = False  # the generation loop died; set by stop(), cleared by serving_again()
+_death = None  # why the process is about to exit (died()), in every later record
 
 
 def _systemd():
@@ -144,6 +145,8 @@ def _write(data):
     if not path:
         return
     with _write_lock:
+        if _death is not None:  # a write racing the death's must not drop its cause
+            data = dict(data, death=_death)
         try:
             write_atomically(path, json.dumps(data) + "\n", mode=0o644)  # a watchdog of another user reads it
         except OSError as exc:
@@ -440,13 +443,13 @@ def died(summary, during_startup):
     process is gone: a start-up failure (a bad --model, a taken port) is then
     named by its own cause, not by the exit code. ``cause`` is the class of
     the death, kept for a classifier (None: not classified). Never raises."""
+    global _death
     try:
         if not config.current().heartbeat_file:
             return
-        data = record(phase())
-        data["death"] = {"summary": summary, "during_startup": bool(during_startup),
-                         "time": time.time(), "cause": None}
-        _write(data)
+        _death = {"summary": summary, "during_startup": bool(during_startup),
+                  "time": time.time(), "cause": None}
+        _write(record(phase()))
     except Exception:  # noqa: BLE001 - the exit goes on whatever happens here
         pass
 
