@@ -58,7 +58,7 @@ def test_reports_table_json_show_and_markdown(tmp_path):
     runner = CliRunner()
     table = runner.invoke(main, ["reports", "--dir", str(tmp_path)]).output
     lines = table.splitlines()
-    assert lines[0].split()[:4] == ["#", "ID", "TIME", "KIND"]
+    assert lines[0].split()[:5] == ["#", "ID", "TIME", "INSTANCE", "KIND"]
     assert "wedged" in lines[1] and "died" in lines[2] and "Resource limit" in lines[2]
     listed = json.loads(runner.invoke(main, ["reports", "--dir", str(tmp_path), "--json"]).output)
     assert [r["kind"] for r in listed] == ["wedged", "died"]
@@ -142,3 +142,37 @@ def test_a_malformed_report_is_marked_and_the_others_still_listed(tmp_path):
     assert "unreadable report string-exception: exception is a string" in as_markdown.output
     newest = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--markdown"])
     assert newest.exit_code == 0 and "a real one" in newest.output
+
+
+def test_reports_name_their_instance_and_filter_by_it(tmp_path):
+    now = time.time()
+    _report(tmp_path, "died", now - 2, instance={"name": "qwen", "port": 8080, "model": "/m/q"},
+            exception={"type": "builtins.OSError", "message": "Address already in use"},
+            repeats=7, during_startup=True)
+    _report(tmp_path, "died", now - 1, instance={"name": None, "port": 8081, "model": "/m/g"})
+    _report(tmp_path, "wedged", now, instance="gemma")  # older watchdog reports: a name only
+    runner = CliRunner()
+    lines = runner.invoke(main, ["reports", "--dir", str(tmp_path)]).output.splitlines()
+    assert [line.split()[4] for line in lines[1:]] == ["gemma", ":8081", "qwen"]
+    assert "(7 times, at start-up) OSError: Address already in use" in lines[3]
+    only = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--instance", "qwen"])
+    assert len(only.output.splitlines()) == 2 and " qwen " in only.output
+    by_port = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--instance", "8081"])
+    assert len(by_port.output.splitlines()) == 2 and ":8081" in by_port.output
+    none = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--instance", "nobody"])
+    assert "no reports in" in none.output and "for instance nobody" in none.output
+
+
+def test_the_report_watcher_counts_only_its_instances_reports(tmp_path):
+    from mlx_watchdog.throughput import ReportWatcher
+
+    qwen = ReportWatcher(tmp_path, "qwen", 8080)
+    gemma = ReportWatcher(tmp_path, "gemma", 8081)
+    assert qwen.scan().new == 0 and gemma.scan().new == 0
+    now = time.time()
+    _report(tmp_path, "died", now, instance={"name": "qwen", "port": 8080, "model": "q"})
+    _report(tmp_path, "died", now + 1, instance={"name": None, "port": 8081, "model": "g"})
+    _report(tmp_path, "died", now + 2)  # names no instance: nobody's
+    mine, theirs = qwen.scan(), gemma.scan()
+    assert (mine.new, theirs.new) == (1, 1)
+    assert "-died-" in mine.newest and mine.newest != theirs.newest

@@ -82,7 +82,8 @@ def test_healthy_tick_reports_everywhere(tmp_path, logs):
     assert record["last_probe"]["status"] == "ok" and record["last_probe"]["latency_s"] == 0.2
     metrics = monitor.metrics.render().decode()
     assert 'mlx_watchdog_up{instance="gemma"} 1.0' in metrics
-    assert 'mlx_watchdog_state{instance="gemma",mlx_watchdog_state="healthy"} 1.0' in metrics
+    assert 'mlx_watchdog_state{instance="gemma",state="healthy"} 1.0' in metrics
+    assert 'mlx_watchdog_state{instance="gemma",state="crash-looping"} 0.0' in metrics
     assert 'mlx_watchdog_probe_latency_seconds_count{instance="gemma"} 1.0' in metrics
     events = [(e["event"], e["instance"]) for e in logs()]
     assert events == [("state", "gemma"), ("state", "gemma")]  # starting, healthy
@@ -182,11 +183,25 @@ def test_format_status():
             }
         }
     }
-    text = format_status(data, now=1000.0, pid_alive=lambda pid: False)
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
     assert "gemma: wedged for 1m40s  http://127.0.0.1:8080" in text
     assert "last probe: unhealthy in 10.00s, 5s ago (timed out)" in text
     assert "restarts: 2, last 10m00s ago (no-progress, ok: ran launchctl)" in text
-    assert "pid 4242) is not running" in text
+    # Its watchdog gone: the row no longer claims a state anyone is watching.
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: False)
+    assert re.search(r"^gemma +stale \(watchdog not running\) 5s ", text, re.M), text
+    assert "pid 4242) is not running; last update 5s ago, when it said wedged" in text
+    assert "status --prune" in text
+
+
+def test_status_reads_stale_and_stopped_records():
+    from mlx_watchdog.state import STALE, STOPPED, shown_state
+
+    record = {"state": "healthy", "updated": 1000.0, "interval_s": 15.0}
+    assert shown_state(record, 1040.0, running=True) == "healthy"
+    assert shown_state(record, 1046.0, running=True) == STALE  # three intervals silent
+    assert shown_state(record, 1001.0, running=False) == STALE  # its writer is gone
+    assert shown_state(dict(record, state=STOPPED), 9999.0, running=False) == STOPPED
 
 
 def test_format_status_is_a_fleet_table():
@@ -385,7 +400,9 @@ def test_watch_command_runs_until_sigterm(tmp_path):
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 0, output
-    assert read_state(state)["instances"]["gemma"]["state"] == HEALTHY
+    # A clean stop says so: `status` must not show a healthy instance nobody watches.
+    record = read_state(state)["instances"]["gemma"]
+    assert record["state"] == "stopped" and "watchdog stopped" in record["reason"], record
     assert '"event": "watch"' in output
 
 
@@ -540,3 +557,30 @@ def test_probes_piling_up_on_the_server_are_said_once_per_run(tmp_path, logs):
     said = [e["message"] for e in logs() if e["event"] == "probe"]
     assert len(said) == 2  # the second abandoned probe of each run
     assert "may still be in flight on the server" in said[0]
+
+
+def test_a_long_start_says_how_it_goes_every_30s(tmp_path, logs):
+    # Each probe moves the clock 5 s; a minute and a half of boot grace.
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 19, boot_grace=600)
+    monitor.started()
+    for _ in range(19):
+        assert monitor.tick().state == "starting"
+    progress = [e["message"] for e in logs() if e["event"] == "loading"]
+    assert progress == [f"still starting after {s}s: timed out after 10s" for s in (30, 60, 90)]
+
+
+def test_text_log_lines_say_each_thing_once():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    from mlx_watchdog.log import Events
+
+    events = Events("qwen")
+    events.info("spawned", "started pid 20864", pid=20864)
+    events.warning("exited", "server exited with code 70", returncode=70)
+    events.warning("restart", "restarting: server exited", state="down", cause="exited",
+                   restarts_in_a_row=0)
+    setup_logging("text")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("[qwen] spawned: started pid 20864")
+    assert lines[1].endswith("exited: server exited with code 70")
+    assert lines[2].endswith('restart: restarting: server exited state="down" restarts_in_a_row=0')

@@ -353,3 +353,13 @@ def test_the_heartbeat_check_leaves_the_tracker_to_the_monitor_thread(tmp_path):
         assert state(tracker) == before
 
 
+
+
+def test_a_url_ending_in_v1_is_the_server_root():
+    from mlx_watchdog.probe import check_url
+
+    # What every OpenAI client config holds; the probe adds /v1/... itself.
+    assert check_url("http://127.0.0.1:8080/v1") == "http://127.0.0.1:8080"
+    assert check_url("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080"
+    assert check_url("https://proxy.lan/mlx/v1") == "https://proxy.lan/mlx"
+    assert check_url("http://127.0.0.1:8080/v1beta") == "http://127.0.0.1:8080/v1beta"

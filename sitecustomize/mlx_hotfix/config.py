@@ -10,6 +10,7 @@ MLX_HOTFIX_EXIT_GRACE=2.0    at most this many seconds to answer waiting clients
                              never cuts a client off)
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
+MLX_HOTFIX_INSTANCE=NAME     the watchdog's name for this server, in crash reports
 MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
 MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop in place
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...

@@ -66,6 +66,7 @@ _progress_mono = time.monotonic()  # last delivery, first request in flight, loa
 _beat_mono = time.monotonic()  # last loop turn
 _stalled = False
 _down = False  # the generation loop died; set by stop(), cleared by serving_again()
+_death = None  # why the process is about to exit (died()), in every later record
 
 
 def _systemd():
@@ -146,6 +147,8 @@ def _write(data):
     if not path:
         return
     with _write_lock:
+        if _death is not None:  # a write racing the death's must not drop its cause
+            data = dict(data, death=_death)
         try:
             write_atomically(path, json.dumps(data) + "\n", mode=0o644)  # a watchdog of another user reads it
         except OSError as exc:
@@ -344,17 +347,19 @@ def loop_iteration():
         _beat_file(phase())
 
 
-def delivered(kind):
+def delivered(kind, counted=True):
     """One item for a client left the generation thread: "prompt" (a prompt
-    progress report) or "token" (a generated token)."""
+    progress report) or "token" (a generated token). counted=False (a
+    watchdog's probe): progress all the same, but not throughput."""
     global _delivered, _prompt_tokens, _decode_tokens, _last_delivery
     global _last_delivery_mono, _progress_mono
     now = time.monotonic()
-    _delivered += 1
-    if kind == "token":
-        _decode_tokens += 1
-    else:
-        _prompt_tokens += 1
+    if counted:
+        _delivered += 1
+        if kind == "token":
+            _decode_tokens += 1
+        else:
+            _prompt_tokens += 1
     _last_delivery = time.time()
     _last_delivery_mono = _progress_mono = now
     if _stalled:
@@ -369,12 +374,14 @@ def request_started():
         _in_flight += 1
 
 
-def request_finished():
-    """A request is done (completed, failed, or its client gone)."""
+def request_finished(counted=True):
+    """A request is done (completed, failed, or its client gone); a probe's
+    (counted=False) is not counted in ``requests``."""
     global _in_flight, _requests
     with _count_lock:
         _in_flight = max(0, _in_flight - 1)
-        _requests += 1
+        if counted:
+            _requests += 1
 
 
 def cancelled():
@@ -433,6 +440,23 @@ def serving_again():
     /health may say so (the recover part calls this last)."""
     global _down
     _down = False
+
+
+def died(summary, during_startup):
+    """The server is about to exit for a death: leave its one-line cause in the
+    heartbeat file (the ``death`` field), where the watchdog reads it when the
+    process is gone: a start-up failure (a bad --model, a taken port) is then
+    named by its own cause, not by the exit code. ``cause`` is the class of
+    the death, kept for a classifier (None: not classified). Never raises."""
+    global _death
+    try:
+        if not config.current().heartbeat_file:
+            return
+        _death = {"summary": summary, "during_startup": bool(during_startup),
+                  "time": time.time(), "cause": None}
+        _write(record(phase()))
+    except Exception:  # noqa: BLE001 - the exit goes on whatever happens here
+        pass
 
 
 def notify_stopping(text):

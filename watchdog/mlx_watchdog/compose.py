@@ -56,6 +56,7 @@ def build_monitor(
     state: Optional[StateStore] = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    expect_shim: Optional[bool] = None,  # default: when a heartbeat file is configured
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
     # Every rank's heartbeat when the server is an mlx.launch group (group.py).
@@ -83,10 +84,23 @@ def build_monitor(
         metrics=metrics,
         state=state,
         throughput=ThroughputTracker() if heartbeat_file else None,
-        reports=ReportWatcher(reports.report_dir(instance.report_dir)),
+        reports=ReportWatcher(reports.report_dir(instance.report_dir), instance.name,
+                              _port(instance.url)),
         clock=clock,
         wall_clock=wall_clock,
+        # A tick lasts at most a probe; the state file says so, for `status`.
+        update_every_s=instance.interval + instance.timeout,
+        expect_shim=expect_shim,
     )
+
+
+def _port(url: str) -> Optional[int]:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
 
 
 def _stale_heartbeat(heartbeat, limit_s: float,

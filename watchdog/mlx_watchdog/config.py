@@ -167,7 +167,9 @@ def _url(value: Any) -> str:
     problem = url_problem(value)
     if problem:
         raise _Bad(f'a URL like "http://127.0.0.1:8080" ({problem})')
-    return value.rstrip("/")
+    from .probe import server_root
+
+    return server_root(value)
 
 
 def _cacert(value: Any) -> str:

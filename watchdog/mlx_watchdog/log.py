@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
 from datetime import datetime
 from typing import IO, Any, Optional
@@ -40,6 +42,20 @@ class JsonFormatter(logging.Formatter):
         return scrub(json.dumps(line, default=str))
 
 
+def colour_wanted(no_color: bool = False) -> bool:
+    """Colour on a terminal, unless --no-color or NO_COLOR (no-color.org: set
+    and not empty) says otherwise."""
+    return sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
+
+
+def _said(value: Any, message: str) -> bool:
+    """Whether the message already says value (as a whole word)."""
+    if isinstance(value, (dict, list, tuple)) or value is None or value == "":
+        return False
+    text = re.escape(str(value))
+    return re.search(rf"(?<![\w.-]){text}(?![\w-]|\.\d)", message) is not None
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         # One event, one line: control characters in a name or a message
@@ -49,10 +65,11 @@ class TextFormatter(logging.Formatter):
         parts = [_timestamp(record.created), f"{record.levelname:<7}"]
         if instance:
             parts.append(f"[{printable(instance)}]")
-        parts.append(f"{printable(getattr(record, 'event', 'log'))}: "
-                     f"{printable(record.getMessage())}")
+        message = record.getMessage()
+        parts.append(f"{printable(getattr(record, 'event', 'log'))}: {printable(message)}")
         for key, value in getattr(record, "fields", {}).items():
-            parts.append(f"{printable(key)}={json.dumps(value, default=str)}")
+            if not _said(value, message):  # one line per event, nothing said twice
+                parts.append(f"{printable(key)}={json.dumps(value, default=str)}")
         text = " ".join(parts)
         if record.exc_info:
             trace = self.formatException(record.exc_info)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest, start_http_server
 
 from . import defaults
@@ -12,6 +12,7 @@ from .judge import STATES
 from .probe import ProbeResult
 from .throughput import COUNTERS, ThroughputReading
 
+STATE_LABEL = "state"  # mlx_watchdog_state{state="healthy"}: the rules and dashboard query it
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -39,11 +40,22 @@ class Metrics:
             ["instance", "reason"],
             registry=self.registry,
         )
-        self.state = Enum(
+        # One series per state, 1 for the current one and 0 for the others,
+        # labelled `state` (STATE_LABEL). Not a prometheus_client Enum: that
+        # names its label after the metric (mlx_watchdog_state="healthy"),
+        # which no rule or panel written as state="..." ever matched.
+        self.state = Gauge(
             "mlx_watchdog_state",
-            "The judge's verdict on the instance.",
+            "The judge's verdict on the instance: 1 for the current state, 0 for the others.",
+            ["instance", STATE_LABEL],
+            registry=self.registry,
+        )
+        self.shim_loaded = Gauge(
+            "mlx_watchdog_shim_loaded",
+            "1 once the hotfix shim's heartbeat was seen; 0 when a heartbeat file is "
+            "configured and none appeared by the end of the boot grace (the shim is not "
+            "loaded: no exit on death, no stall detection).",
             ["instance"],
-            states=list(STATES),
             registry=self.registry,
         )
 
@@ -94,7 +106,11 @@ class Metrics:
         if probe is not None:
             self.probe_latency.labels(instance).observe(probe.latency_s)
             self.up.labels(instance).set(1 if probe.ok else 0)
-        self.state.labels(instance).state(state)
+        for name in STATES:
+            self.state.labels(instance, name).set(1 if name == state else 0)
+
+    def shim(self, instance: str, loaded: bool) -> None:
+        self.shim_loaded.labels(instance).set(1 if loaded else 0)
 
     def restarted(self, instance: str, cause: str) -> None:
         self.restarts.labels(instance, cause).inc()

@@ -17,7 +17,7 @@ from .act import ActionResult
 from .policy import RestartPolicy
 from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import judge as judge_module
-from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
+from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
 from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
@@ -72,6 +72,8 @@ class Monitor:
         reports: Optional[ReportWatcher] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
+        expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
     ):
         self.name = name
         self.probe = probe
@@ -98,6 +100,7 @@ class Monitor:
         self.stopping = False
         self.restarts = 0
         self._since = wall_clock()
+        self._progress_at = self._since
         self._last_probe: Optional[Dict[str, Any]] = None
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
@@ -107,6 +110,11 @@ class Monitor:
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
         self._warning: Optional[str] = None  # the shim's known-bad-install line
+        self.update_every_s = update_every_s
+        # The shim is expected (a heartbeat file is configured): is it loaded?
+        self.expect_shim = heartbeat is not None if expect_shim is None else expect_shim
+        self._shim_seen = False  # a fresh heartbeat since the (re)start
+        self._shim_warning: Optional[str] = None
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -138,6 +146,7 @@ class Monitor:
         beat = self.heartbeat.observe(record) if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
+        self._note_shim(beat, probe)
         self._observe_server(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
@@ -231,7 +240,11 @@ class Monitor:
         )
         result = self.action.restart(verdict.reason)
         self.policy.record_restart(now)
-        self._forget()
+        if result.ok:
+            self._forget()
+        else:
+            # Nothing was started: no boot grace, and no "starting" to show.
+            self.policy.end_grace(now)
         self.restarts += 1
         self._last_restart = {
             "time": self.wall_clock(),
@@ -246,16 +259,24 @@ class Monitor:
             self.events.info("restarted", result.detail)
             return replace(verdict, reason=f"{verdict.reason}; restarted")
         self.events.error("restart-failed", result.detail)
-        return replace(verdict, reason=f"{verdict.reason}; restart failed: {result.detail}")
+        state = verdict.state if verdict.state == CRASH_LOOPING else DOWN
+        return replace(verdict, state=state,
+                       reason=f"restart failed: {result.detail}; {verdict.reason}")
+
+    # While a server starts (a big model loads for minutes), a line this often.
+    PROGRESS_EVERY_S = 30.0
 
     def report(self, verdict: Verdict, probe: Optional[ProbeResult] = None) -> None:
         """Log a change of state, update the state file and the metrics."""
         previous, self.verdict = self.verdict, verdict
         if previous is None or previous.state != verdict.state:
             self._since = self.wall_clock()
+            self._progress_at = self._since
             calm = verdict.state in (HEALTHY, STARTING) or self.stopping
             log = self.events.info if calm else self.events.warning
             log("state", f"{verdict.state}: {verdict.reason}", state=verdict.state)
+        elif verdict.state == STARTING:
+            self._say_progress(verdict)
         if probe is not None:
             self._last_probe = {
                 "status": probe.status,
@@ -289,7 +310,48 @@ class Monitor:
             "server": self._server,
             "newest_report": self._newest_report,
             "warning": self._warning,
+            "shim_warning": self._shim_warning,
+            "interval_s": self.update_every_s,
         }
+
+    SHIM_NOT_LOADED = ("the hotfix shim is not loaded (check PYTHONPATH); exit on death and "
+                       "stall detection are off")
+
+    def _note_shim(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
+        """A heartbeat file is configured but the server never beats: it runs
+        without the shim (a PYTHONPATH to a folder that is gone), so a death
+        would leave a zombie. Said once, loudly, when the boot grace is over
+        and the server answers (a shimmed server that answers has beaten
+        within a second or so: the idle loop turns about ten times a second)."""
+        if not self.expect_shim or self.heartbeat is None:
+            return
+        fresh = beat is not None and beat.age_s <= self.judge.config.heartbeat_timeout_s
+        if fresh:
+            if not self._shim_seen and self.metrics is not None:
+                self.metrics.shim(self.name, True)
+            if self._shim_warning is not None:
+                self.events.info("shim", "the hotfix shim is loaded now (heartbeat seen)")
+            self._shim_seen, self._shim_warning = True, None
+            return
+        if self._shim_seen or self._shim_warning is not None:
+            return
+        if probe.ok and not self.policy.in_grace(self.clock()):
+            problem = getattr(self.heartbeat, "problem", None)
+            self._shim_warning = self.SHIM_NOT_LOADED + (f" ({problem})" if problem else "")
+            self.events.error("shim", self._shim_warning)
+            if self.metrics is not None:
+                self.metrics.shim(self.name, False)
+
+    def _say_progress(self, verdict: Verdict) -> None:
+        """Every PROGRESS_EVERY_S while starting: how long, and what is known."""
+        now = self.wall_clock()
+        if now - self._progress_at < self.PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        phase = (self._server or {}).get("phase")
+        what = ("the heartbeat says it is loading the model" if phase == "loading"
+                else verdict.reason.removeprefix("boot grace: "))
+        self.events.info("loading", f"still starting after {now - self._since:.0f}s: {what}")
 
     def _note_warning(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
         """The shim's warning about its install (a pair that dies on the first
@@ -349,6 +411,7 @@ class Monitor:
         # A new server process: old counters, heartbeat and CPU totals are moot.
         self._boot_wall = self.wall_clock()
         self._warning = None  # the new server says its own
+        self._shim_seen = False  # the new server must beat again
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from . import defaults
+from .defaults import PROBE_HEADER
 from .redact import Secret, printable, redact_url, scrub, secret
 
 OK = "ok"
@@ -163,7 +164,9 @@ class Probe:
         remaining = deadline.remaining()
         if remaining <= 0:
             raise self._timed_out(deadline)
-        headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close"}
+        headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close",
+                   # The shim keeps a probe out of the server's log and counters.
+                   PROBE_HEADER: "1"}
         body = None
         if payload is not None:
             body = json.dumps(payload).encode()
@@ -297,7 +300,17 @@ def check_url(url: str) -> str:
             f"invalid URL {shown!r}: {problem}; expected http(s)://HOST[:PORT], "
             'like "http://127.0.0.1:8080"'
         )
-    return url.rstrip("/")
+    return server_root(url)
+
+
+def server_root(url: str) -> str:
+    """url without a trailing slash or a trailing /v1: what OpenAI clients are
+    given (http://host:8080/v1) names the same server as its root, which is
+    what the probe needs (it adds /v1/chat/completions and /health itself)."""
+    url = url.rstrip("/")
+    if url.lower().endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
 
 
 def url_problem(url: object) -> Optional[str]:

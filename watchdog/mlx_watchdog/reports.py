@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from . import __version__, defaults
 from .heartbeat import read_record
@@ -185,6 +185,19 @@ def capture_stacks(
         return None
 
 
+def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
+    """A report's `instance` field, as the shim writes it: name, port, model."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = None
+    from .urls import flag_value
+
+    return {"name": name, "port": port, "model": flag_value(command, "--model")}
+
+
 # -- reading -----------------------------------------------------------------
 
 
@@ -287,6 +300,29 @@ def find_report(directory: Path, wanted: str) -> Optional[Dict[str, Any]]:
     return prefixed[0] if len(prefixed) == 1 else None
 
 
+def instance_label(report: Dict[str, Any]) -> str:
+    """The instance a report names, short: its name, else :PORT, else "-"."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance
+    if not isinstance(instance, dict):
+        return "-"
+    if instance.get("name"):
+        return str(instance["name"])
+    return f":{instance['port']}" if instance.get("port") else "-"
+
+
+def matches_instance(report: Dict[str, Any], wanted: str) -> bool:
+    """`reports --instance WANTED`: the instance's name, or its port."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance == wanted
+    if not isinstance(instance, dict):
+        return False
+    return instance.get("name") == wanted or (
+        wanted.lstrip(":").isdigit() and instance.get("port") == int(wanted.lstrip(":")))
+
+
 def summary(report: Dict[str, Any]) -> str:
     exc = report.get("exception") or {}
     if exc:
@@ -294,7 +330,11 @@ def summary(report: Dict[str, Any]) -> str:
     else:
         text = report.get("reason") or ""
     line = " ".join(str(text).split())
-    return line[:100] + ("..." if len(line) > 100 else "")
+    line = line[:100] + ("..." if len(line) > 100 else "")
+    repeats = report.get("repeats")
+    if isinstance(repeats, int) and repeats > 1:
+        line = f"({repeats} times, at start-up) {line}"
+    return line
 
 
 def format_table(reports: List[Dict[str, Any]]) -> str:
@@ -302,15 +342,16 @@ def format_table(reports: List[Dict[str, Any]]) -> str:
     and its file name come from the server's side)."""
     if not reports:
         return "no reports"
-    rows = [("#", "ID", "TIME", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
+    rows = [("#", "ID", "TIME", "INSTANCE", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
     for i, r in enumerate(reports, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time") or 0))
         if r.get(UNREADABLE):
-            cells = (str(i), r["id"], when, "-", "-", "-", "-",
+            cells = (str(i), r["id"], when, "-", "-", "-", "-", "-",
                      f"unreadable report: {r[UNREADABLE]}")
         else:
             versions = r.get("versions") or {}
-            cells = (str(i), r["id"], when, str(r.get("kind")), str(r.get("pid")),
+            cells = (str(i), r["id"], when, instance_label(r), str(r.get("kind")),
+                     str(r.get("pid")),
                      str(versions.get("mlx_lm", "-")),
                      "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r))
         rows.append(tuple(printable(cell) for cell in cells))

@@ -14,6 +14,7 @@ from .reports import (
     format_markdown,
     format_table,
     load_reports,
+    matches_instance,
     report_dir,
 )
 
@@ -27,14 +28,19 @@ _DIR_HELP = ("The report folder. [default: $MLX_HOTFIX_REPORT_DIR, "
 @click.option("--json", "as_json", is_flag=True, help="Print every report as a JSON list.")
 @click.option("--markdown", is_flag=True, help="Print the newest report as Markdown, ready to "
               "paste into an upstream issue (no prompts, no keys).")
+@click.option("--instance", default=None, metavar="NAME",
+              help="Only the reports of this instance (its name as in `status`, or its port).")
 @click.pass_context
 def reports_command(ctx: click.Context, directory: Optional[str], as_json: bool,
-                    markdown: bool) -> None:
-    """List crash reports, newest first (see `reports show ID`)."""
+                    markdown: bool, instance: Optional[str]) -> None:
+    """List crash reports, newest first, with the instance each one is about
+    (see `reports show ID`)."""
     ctx.obj = report_dir(directory)
     if ctx.invoked_subcommand is not None:
         return
     reports = load_reports(ctx.obj)
+    if instance is not None:
+        reports = [r for r in reports if matches_instance(r, instance)]
     if as_json:
         click.echo(json.dumps(reports, indent=1, sort_keys=True))
     elif markdown:
@@ -43,7 +49,8 @@ def reports_command(ctx: click.Context, directory: Optional[str], as_json: bool,
             raise click.ClickException(f"no readable reports in {ctx.obj}")
         click.echo(format_markdown(readable[0]), nl=False)
     else:
-        click.echo(format_table(reports) if reports else f"no reports in {ctx.obj}")
+        where = f"{ctx.obj}" + (f" for instance {instance}" if instance is not None else "")
+        click.echo(format_table(reports) if reports else f"no reports in {where}")
 
 
 @reports_command.command("show")

@@ -80,9 +80,11 @@ class StacksFirst:
 
     def restart(self, reason: str) -> ActionResult:
         try:
-            pids = self._pids()
+            # A pid from a stale heartbeat file, or a process already gone,
+            # has no stacks to give: no report about a process that is gone.
+            pids = [pid for pid in self._pids() if _running(pid)]
             if pids or self.refused:
-                extra = {"instance": self.instance.name}
+                extra = {"instance": reports.instance_field(self.instance.name, self.instance.url)}
                 if self.refused:
                     extra["stacks_refused"] = self.refused
                 path = reports.capture_stacks(
@@ -115,6 +117,13 @@ def not_the_server(beat: Heartbeat, root: Optional[int],
         return (f"pid {beat.pid} was not started to write {heartbeat_file} "
                 f"({defaults.HEARTBEAT_ENV} is not set to it in its environment)")
     return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def build_action(spec: RestartConfig) -> Optional[RestartAction]:
@@ -206,9 +215,9 @@ class Watcher:
             self._wakeup.close()
         for thread in threads:
             thread.join(timeout=1.0)  # a probe in flight is abandoned at exit
-        for monitor in self.monitors.values():
-            if monitor.state is not None:
-                monitor.state.flush()
+        stores = {id(m.state): m.state for m in self.monitors.values() if m.state is not None}
+        for store in stores.values():
+            store.stopped("the watchdog stopped (the server may still run, unwatched)")
         return 0
 
     def _loop(self, monitor: Monitor, interval: float) -> None:
