@@ -602,6 +602,7 @@ def test_a_normal_stop_is_no_failure(tmp_path, caplog, how):
     supervisor, spawner, probes, _, clock = make(tmp_path)
     supervisor.start()
     assert supervisor.tick().state == HEALTHY
+    caplog.clear()  # only what is said once the stop is asked for
     supervisor.request_stop()
     if how == "the child exits":
         spawner.current.code = 0

@@ -85,7 +85,7 @@ def last_death(heartbeat_file: "Optional[str | os.PathLike[str]]",
     field, written just before it exits), or None."""
     if heartbeat_file is None:
         return None
-    from .throughput import read_record
+    from .heartbeat import read_record
 
     record = read_record(heartbeat_file)
     if not record or record.get("pid") != pid or not isinstance(record.get("death"), dict):
