@@ -122,6 +122,17 @@ def test_remote_ranks_get_the_shim_and_its_settings_through_env(tmp_path):
     assert "--env" not in local.options
 
 
+def test_the_commands_own_env_for_remote_ranks_stands_with_the_shim_in_front(tmp_path):
+    path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), ("studio-2", "10.0.0.6"))
+    env = {"MLX_HOTFIX_DISABLE": "advance", "HF_HUB_OFFLINE": "1"}
+    command = group.prepare(["mlx.launch", "--hostfile", path, "--env", "PYTHONPATH=/my/libs",
+                             "--env=MLX_HOTFIX_DISABLE=extend", *SERVER], env,
+                            private_dir=tmp_path, remote_shim_path="/there/shim")
+    # mlx.launch exports in order: the last assignment of a name wins.
+    assert command.launch_env() == {"PYTHONPATH": "/there/shim:/my/libs",
+                                    "MLX_HOTFIX_DISABLE": "extend", "HF_HUB_OFFLINE": "1"}
+
+
 def test_this_machines_names_in_a_hostfile_run_locally(tmp_path):
     path = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"))
     command = group.prepare(["mlx.launch", "--hostfile", path, *SERVER], {},

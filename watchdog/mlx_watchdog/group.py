@@ -103,6 +103,20 @@ class LaunchCommand:
     def local_ranks(self) -> List[int]:
         return [rank for rank, host in enumerate(self.hosts) if host.local]
 
+    def launch_env(self) -> Dict[str, str]:
+        """The launcher's own `--env K=V` assignments (what remote ranks get)."""
+        found: Dict[str, str] = {}
+        for i, arg in enumerate(self.options):
+            if arg == "--env" and i + 1 < len(self.options):
+                assignment = self.options[i + 1]
+            elif arg.startswith("--env="):
+                assignment = arg[len("--env="):]
+            else:
+                continue
+            key, _, value = assignment.partition("=")
+            found[key] = value
+        return found
+
     def with_env(self, assignments: Mapping[str, str]) -> "LaunchCommand":
         """The same command with `--env K=V` added (reaches remote ranks)."""
         extra: List[str] = []
@@ -466,9 +480,12 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     if not command.remote_hosts:
         return command
     # The shim's settings, but not the heartbeat file: its folder is on this host.
+    # What the command itself passes with --env stands (it comes first: ours
+    # would win), but the shim goes in front of its PYTHONPATH.
+    own = command.launch_env()
     forwarded = {k: v for k, v in env.items()
-                 if (k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
-                 or k == "HF_HUB_OFFLINE"}
+                 if ((k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
+                     or k == "HF_HUB_OFFLINE") and k not in own}
     if not shim:
         return command.with_env(forwarded)
     shim_folder = remote_shim_path or env.get(REMOTE_SHIM_ENV)
@@ -480,7 +497,8 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
         except FileNotFoundError:
             shim_folder = None
     if shim_folder:
-        forwarded = {"PYTHONPATH": shim_folder, **forwarded}
+        path = [shim_folder] + ([own["PYTHONPATH"]] if own.get("PYTHONPATH") else [])
+        forwarded = {"PYTHONPATH": ":".join(path), **forwarded}  # ':' on macOS and Linux
     return command.with_env(forwarded)
 
 
