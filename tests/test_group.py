@@ -258,22 +258,6 @@ class FakeRun:
         return subprocess.CompletedProcess(argv, 0, out + "\n", "")
 
 
-def test_check_hostfile_finds_unreachable_hosts_and_mismatched_releases(tmp_path):
-    path = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("studio-2", "10.0.0.6"),
-                    ("studio-3", "10.0.0.7"))
-    run = FakeRun(reachable={"studio-2"},
-                  versions={"studio-2": ("0.31.0", "0.31.3", False)})
-    problems = group.check_hostfile(path, python="/v/bin/python", shim_path="/s", run=run)
-    text = "\n".join(problems)
-    assert "studio-3: not reachable by `ssh -o BatchMode=yes studio-3`" in text
-    assert "studio-2: no hotfix shim at /s" in text
-    assert "different releases" in text and "studio-2: mlx 0.31.0, mlx-lm 0.31.3" in text
-    assert not any(c[0] == "ssh" and "localhost" in c for c in run.calls)  # local: no ssh
-    fine = FakeRun(reachable={"studio-2", "studio-3"})
-    assert group.check_hostfile(path, python="/v/bin/python", shim_path="/s", run=fine) == []
-    assert "does not exist" in group.check_hostfile(tmp_path / "missing.json")[0]
-
-
 def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
     python = str(python_for("0.32.2"))
     local = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"))

@@ -166,9 +166,26 @@ def format_report(report: dict) -> str:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--hostfile", default=None, type=click.Path(dir_okay=False),
+              help="An mlx.launch group's hostfile: also check every host (ssh, the same "
+              "mlx and mlx-lm, the shim, macOS sleep settings).")
+@click.option("--remote-shim-path", default=None,
+              help="With --hostfile: the shim folder on the other hosts. "
+              "[default: the same path as here]")
 @click.pass_context
-def doctor_command(ctx: click.Context, python: str, host: str, port: int, as_json: bool) -> None:
+def doctor_command(ctx: click.Context, python: str, host: str, port: int, as_json: bool,
+                   hostfile: Optional[str], remote_shim_path: Optional[str]) -> None:
     """Check the environment a server would run in; exit 1 on any problem."""
     report = diagnose(python, host, port)
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if hostfile is not None:
+        from .doctor_hosts import FAIL, check_hosts, format_checks
+
+        checks = check_hosts(hostfile, python=python, shim_path=remote_shim_path)
+        report["hosts"] = [{"status": s, "message": m, "fix": f} for s, m, f in checks]
+        report["problems"] += [m for s, m, _ in checks if s == FAIL]
+        report["ok"] = not report["problems"]
+    text = format_report(report)
+    if hostfile is not None and not as_json:
+        text = f"{text}\n\nhosts ({hostfile})\n{format_checks(checks)}"
+    click.echo(json.dumps(report, indent=2) if as_json else text)
     ctx.exit(0 if report["ok"] else 1)

@@ -34,7 +34,6 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -337,72 +336,6 @@ def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
                 f"{result.returncode}{': ' + why[-1] if why else ''}); mlx.launch reaches "
                 "every host but 127.0.0.1 by ssh, without a password prompt: set up key "
                 "login, or name this machine 127.0.0.1")
-    return problems
-
-
-_VERSIONS_SCRIPT = (
-    "import importlib.metadata as m, json, os\n"
-    "v = {}\n"
-    "for d in ('mlx', 'mlx-lm'):\n"
-    "    try: v[d] = m.version(d)\n"
-    "    except Exception: v[d] = None\n"
-    "p = os.environ.get('SHIM', '')\n"
-    "v['shim'] = os.path.isfile(os.path.join(p, 'mlx_hotfix', '__init__.py'))\n"
-    "print(json.dumps(v))\n"
-)
-
-
-def check_hostfile(path: "str | os.PathLike[str]", *, python: Optional[str] = None,
-                   shim_path: Optional[str] = None, run: Runner = subprocess.run) -> List[str]:
-    """For `mlx-watchdog doctor`: every problem with serving from this hostfile,
-    one line each ([] when fine): the file parses, each host is reachable the
-    way mlx.launch reaches it, and each has the same mlx, mlx-lm and shim.
-
-    python: the interpreter ranks run (default: this one; same path on every
-    host, as mlx.launch assumes); shim_path: the shim folder on the hosts
-    (default: this installation's, the same path everywhere).
-    """
-    try:
-        hosts, _ = read_hosts(path)
-    except GroupError as exc:
-        return [str(exc)]
-    python = python or sys.executable
-    if shim_path is None:
-        from .shim import shim_dir
-
-        try:
-            shim_path = str(shim_dir())
-        except FileNotFoundError as exc:
-            return [str(exc)]
-    names = []
-    for host in hosts:
-        name = LOCAL_HOST if is_this_machine(host.ssh) else host.ssh
-        if name not in names:
-            names.append(name)
-    remote = [n for n in names if n != LOCAL_HOST]
-    problems = unreachable_hosts(remote, run=run)
-    bad = {p.split(":", 1)[0] for p in problems}
-    found: Dict[str, object] = {}
-    for name in names:
-        if name in bad:
-            continue
-        script = f"SHIM={shlex.quote(shim_path)} {shlex.quote(python)} -c " \
-                 f"{shlex.quote(_VERSIONS_SCRIPT)}"
-        argv = ["bash", "-c", script] if name == LOCAL_HOST else ssh_check_argv(name, script)
-        try:
-            result = run(argv, capture_output=True, text=True, timeout=60)
-            versions = json.loads(result.stdout.strip().splitlines()[-1])
-        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-            problems.append(f"{name}: cannot run {python} there to read the mlx versions")
-            continue
-        if not versions.get("shim"):
-            problems.append(f"{name}: no hotfix shim at {shim_path} (install mlx-watchdog "
-                            "there, or pass its path with --remote-shim-path)")
-        found[name] = (versions.get("mlx"), versions.get("mlx-lm"))
-    if len(set(found.values())) > 1:
-        listing = "; ".join(f"{n}: mlx {v[0]}, mlx-lm {v[1]}" for n, v in found.items())
-        problems.append(f"the hosts run different releases ({listing}): every rank must "
-                        "run the same mlx and mlx-lm")
     return problems
 
 
