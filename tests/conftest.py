@@ -67,3 +67,23 @@ def fault_env(spec: str, arm_file: Path | None = None, *, shim: bool = True) -> 
     if arm_file is not None:
         env["MLX_TEST_FAULT_ARM_FILE"] = str(arm_file)
     return env
+
+
+@pytest.fixture(scope="session")
+def second_host(tmp_path_factory):
+    """A second host on this machine over a real sshd (harness/remotehost.py),
+    shared by the session; stopped with everything that ran there."""
+    from harness.remotehost import SecondHost, SecondHostUnavailable
+
+    host = SecondHost(tmp_path_factory.mktemp("second-host"))
+    try:
+        host.start()
+    except SecondHostUnavailable as exc:
+        host.stop()
+        if os.environ.get("CI") == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    try:
+        yield host
+    finally:
+        host.stop()
