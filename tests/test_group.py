@@ -110,7 +110,9 @@ def test_remote_ranks_get_the_shim_and_its_settings_through_env(tmp_path):
     options = command.options
     assert options[:2] == ["--hostfile", path]
     pairs = [options[i + 1] for i, a in enumerate(options) if a == "--env"]
-    assert pairs == ["PYTHONPATH=/there/shim", "MLX_HOTFIX_DISABLE=advance", "HF_HUB_OFFLINE=1"]
+    # mlx.launch exports --env on local ranks too: they keep this machine's shim.
+    assert pairs == ["PYTHONPATH=/there/shim:/here/shim", "MLX_HOTFIX_DISABLE=advance",
+                     "HF_HUB_OFFLINE=1"]
     # Discovered: the same path as this installation's shim.
     command = group.prepare(["mlx.launch", "--hostfile", path, *SERVER], {},
                             private_dir=tmp_path)
@@ -126,10 +128,11 @@ def test_the_commands_own_env_for_remote_ranks_stands_with_the_shim_in_front(tmp
     path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), ("studio-2", "10.0.0.6"))
     env = {"MLX_HOTFIX_DISABLE": "advance", "HF_HUB_OFFLINE": "1"}
     command = group.prepare(["mlx.launch", "--hostfile", path, "--env", "PYTHONPATH=/my/libs",
-                             "--env=MLX_HOTFIX_DISABLE=extend", *SERVER], env,
+                             "--env=MLX_HOTFIX_DISABLE=extend", *SERVER],
+                            {**env, "PYTHONPATH": "/here/shim:/my/libs"},
                             private_dir=tmp_path, remote_shim_path="/there/shim")
     # mlx.launch exports in order: the last assignment of a name wins.
-    assert command.launch_env() == {"PYTHONPATH": "/there/shim:/my/libs",
+    assert command.launch_env() == {"PYTHONPATH": "/there/shim:/my/libs:/here/shim",
                                     "MLX_HOTFIX_DISABLE": "extend", "HF_HUB_OFFLINE": "1"}
 
 
@@ -167,8 +170,10 @@ def test_the_shim_reaches_a_remote_rank_through_the_real_launcher(tmp_path):
     report = ("import os, sys; sys.path.insert(0, os.environ.get('PYTHONPATH', '')); "
               "from mlx_hotfix.group import describe; "
               "print('RANK', describe(), os.environ.get('PYTHONPATH'))")
+    here = tmp_path / "local-libs"  # what the local rank inherits on PYTHONPATH
+    here.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+           "FAKE_SSH_LOG": str(tmp_path / "ssh.log"), "PYTHONPATH": str(here)}
     command = group.prepare([launcher, "--hostfile", path, "--backend", "ring", "--",
                              python, "-c", report], env, private_dir=tmp_path,
                             remote_shim_path=str(Path(__file__).parents[1] / "sitecustomize"))
@@ -178,7 +183,10 @@ def test_the_shim_reaches_a_remote_rank_through_the_real_launcher(tmp_path):
     shim = str(Path(__file__).parents[1] / "sitecustomize")
     assert len(lines) == 2, result.stdout + result.stderr
     assert lines[0].startswith("RANK rank 0 on ") and lines[1].startswith("RANK rank 1 on ")
-    assert lines[1].endswith(shim), lines  # the remote rank got the shim via --env
+    # The remote rank got the shim via --env; mlx.launch exports it on the
+    # local rank too, which keeps what it inherited after it.
+    assert lines[1].endswith(f"{shim}:{here}"), lines
+    assert lines[0].endswith(f"{shim}:{here}"), lines
 
 
 # -- per-rank heartbeats ---------------------------------------------------------------

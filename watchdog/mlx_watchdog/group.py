@@ -8,7 +8,8 @@ mlx/_distributed_utils/launch.py) and rely on here:
 - Local ranks inherit the launcher's environment, so PYTHONPATH (the shim)
   and MLX_HOTFIX_HEARTBEAT_FILE reach them as they are. Remote ranks get only
   `--env K=V` (and the hostfile's "envs"): the shim's path on those hosts is
-  passed that way.
+  passed that way. But `--env` is exported on every rank, local ones too:
+  the PYTHONPATH passed keeps this machine's after the remote shim's path.
 - When a rank exits non-zero the launcher terminates the others, logs
   "Node with rank N exited with code C", and then itself exits **0**. A
   service manager that restarts on failure never restarts such a group, so
@@ -404,7 +405,8 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     """For supervise and exec: the group command as it should run, or None if
     argv is not mlx.launch. Local host names in the hostfile become 127.0.0.1;
     remote ranks get the shim (`--env PYTHONPATH=`, at remote_shim_path, by
-    default the same path as here) and the heartbeat and shim settings.
+    default the same path as here, followed by this machine's PYTHONPATH for
+    the local ranks) and the shim's settings.
     GroupError when it cannot run."""
     command = parse_launch(argv)
     if command is None:
@@ -430,8 +432,14 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
         except FileNotFoundError:
             shim_folder = None
     if shim_folder:
-        path = [shim_folder] + ([own["PYTHONPATH"]] if own.get("PYTHONPATH") else [])
-        forwarded = {"PYTHONPATH": ":".join(path), **forwarded}  # ':' on macOS and Linux
+        # mlx.launch exports --env for every rank, local ones too: so this
+        # PYTHONPATH ends with this machine's own (its shim first), which a
+        # local rank would otherwise lose. A folder missing on a host is
+        # skipped there; the first shim found runs.
+        entries = [shim_folder, *own.get("PYTHONPATH", "").split(":"),
+                   *env.get("PYTHONPATH", "").split(os.pathsep)]
+        path = ":".join(dict.fromkeys(e for e in entries if e))  # ':' on macOS and Linux
+        forwarded = {"PYTHONPATH": path, **forwarded}
     return command.with_env(forwarded)
 
 
