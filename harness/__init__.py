@@ -15,6 +15,7 @@ the root (``python -m bench.throughput``, ``python -m scripts.demo``).
     repro.py         the upstream two-request ``extend`` crash
     advance_probe.py measures ArraysCache.advance, stock or patched (a script)
     haproxy.py       a real haproxy in front of the server (health-check tests)
+    remotehost.py    a second host over a real sshd on 127.0.0.2 (group tests, bench)
     faults/          the fault injector: a sitecustomize folder for PYTHONPATH
 """
 
