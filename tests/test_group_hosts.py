@@ -185,18 +185,19 @@ def strike_and_recover(group: RemoteGroup, fault: str, cause: str) -> None:
     group.recovered(old)
 
 
-class TestOneSupervisedGroupOverTwoHosts:
-    """One supervised 0.32.2 group, struck in turn (CI time: one start, then
-    restarts); it ends with the class, not kept beside the other groups."""
+@pytest.fixture(scope="class")
+def group(second_host, tiny_llama, tmp_path_factory):
+    """One supervised 0.32.2 group for the class below, struck in turn (CI time:
+    one start, then restarts); it ends with the class, not kept beside others."""
+    group = supervise_group(second_host, tmp_path_factory.mktemp("remote-group"), "0.32.2",
+                            tiny_llama)
+    try:
+        yield group
+    finally:
+        group.sup.cleanup()
 
-    @pytest.fixture(scope="class")
-    def group(self, second_host, tiny_llama, tmp_path_factory):
-        group = supervise_group(second_host, tmp_path_factory.mktemp("remote-group"),
-                                "0.32.2", tiny_llama)
-        try:
-            yield group
-        finally:
-            group.sup.cleanup()
+
+class TestOneSupervisedGroupOverTwoHosts:
 
     @pytest.mark.parametrize("fault,cause", [(DEATH, "exited"), (HANG, "heartbeat-stale")],
                              ids=["death", "hang"])
