@@ -237,7 +237,7 @@ class SecondHost:
         for proc in psutil.process_iter():
             if proc.pid not in found and _environ(proc).get(MARKER) == self.token:
                 found[proc.pid] = proc
-        return [p for p in found.values() if _alive(p)]
+        return [p for p in found.values() if alive(p)]
 
     def ranks(self) -> List[psutil.Process]:
         """The server ranks running on the second host (in a session or not)."""
@@ -285,7 +285,8 @@ def _iptables(action: str, rule: List[str], *, check: bool = True) -> int:
     return run.returncode
 
 
-def _alive(proc: psutil.Process) -> bool:
+def alive(proc: psutil.Process) -> bool:
+    """proc still runs (the same process, not a reused pid; not a zombie)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:

@@ -33,7 +33,7 @@ import requests
 
 from harness import FAULTS_DIR
 from harness.procs import chat_body
-from harness.remotehost import SecondHost
+from harness.remotehost import SecondHost, alive
 from harness.server import BackgroundRequest, base_env, free_port, python_for
 from harness.procs import chat
 from harness.watchdog_run import WatchdogProcess, wait_serving
@@ -107,18 +107,11 @@ class RemoteGroup:
     def recovered(self, old: List[psutil.Process]) -> None:
         """Serving again; nothing of the old group on the second host; one rank there."""
         self.serving()
-        self.sup.wait_for(lambda: not any(_alive(p) for p in old), 60,
+        self.sup.wait_for(lambda: not any(alive(p) for p in old), 60,
                           "every process of the old group on the second host to be gone")
         (rank,) = self.host.ranks()
         assert rank in self.host.sessions(), "the rank is not in a session of our sshd"
         assert rank.environ()["PYTHONPATH"].split(":")[0] == str(self.host.shim_dir)
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def supervise_group(host: SecondHost, folder: Path, version: str, model: Path, *,
@@ -344,7 +337,7 @@ def test_the_installed_group_serves_over_two_hosts_and_exits_70_after_a_remote_d
         assert proc.wait(120) == 70, log_path.read_text()[-3000:]
         assert "Node with rank" in log_path.read_text()  # the launcher saw a rank end
         deadline = time.monotonic() + 60
-        while any(_alive(p) for p in old) or second_host.ranks():
+        while any(alive(p) for p in old) or second_host.ranks():
             assert time.monotonic() < deadline, "a process of the group is left on the host"
             time.sleep(0.2)
     finally:
