@@ -35,7 +35,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence
 
 import psutil
 
@@ -43,6 +43,12 @@ from harness import SHIM_DIR
 
 ALIAS = "mlxhost2"
 ADDRESS = "127.0.0.2"
+# This host's address for the ring, as a Mac has one on its Thunderbolt
+# network besides the one clients use. Not 127.0.0.1: the kernel sends from
+# 127.0.0.1 to any loopback address, so rank 1's ring connection to a rank 0
+# listening on 127.0.0.1 would run 127.0.0.1 -> 127.0.0.1, past a partition
+# that drops only 127.0.0.2 (rank 1 would see rank 0 go at once).
+RING_ADDRESS_HERE = "127.0.0.3"
 MARKER = "MLX_TEST_SECOND_HOST"  # set in every session by our sshd (SetEnv)
 SSHD = "/usr/sbin/sshd"
 PRIVSEP_DIR = Path("/run/sshd")
@@ -84,8 +90,9 @@ class SecondHost:
     alias = ALIAS
     address = ADDRESS
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, sshd_options: Sequence[str] = ()):
         self.folder = Path(folder)
+        self.sshd_options = list(sshd_options)  # more sshd_config lines (ClientAliveInterval 5)
         self.port = 0
         self.token = secrets.token_hex(8)
         self.proc: Optional[subprocess.Popen] = None
@@ -136,6 +143,7 @@ class SecondHost:
             "PrintLastLog no",
             f"SetEnv {MARKER}={self.token}",
             "LogLevel VERBOSE",
+            *self.sshd_options,
             "",
         ]))
         self.client_config.write_text("\n".join([
@@ -213,7 +221,7 @@ class SecondHost:
         """mlx.launch's hostfile for a group of this machine and the second host."""
         import json
 
-        hosts = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+        hosts = [{"ssh": "127.0.0.1", "ips": [RING_ADDRESS_HERE]},
                  {"ssh": self.alias, "ips": [self.address]}]
         if rank0_remote:
             hosts.reverse()
@@ -252,11 +260,13 @@ class SecondHost:
 
     # -- partition ------------------------------------------------------------------
 
-    _RULES = (["-d", ADDRESS], ["-s", ADDRESS])
+    _RULES = tuple([way, address] for address in (ADDRESS, RING_ADDRESS_HERE)
+                   for way in ("-d", "-s"))
 
     @contextlib.contextmanager
     def partition(self) -> Iterator[None]:
-        """Drop every packet to and from the second host until the block ends."""
+        """Drop every packet to and from the second host until the block ends:
+        to and from its address, and this host's ring address (the way back)."""
         try:
             for rule in self._RULES:
                 _iptables("-A", rule)
