@@ -15,8 +15,9 @@ The fault strikes rank 1 of a group (the lone server alone), after a warm-up:
 
   death      raise:typeerror:decode  the generation thread dies
   hang       hang:decode             the generation loop blocks at 0% CPU
-  partition  (two hosts only) every packet to and from 127.0.0.2 dropped
-             (iptables) for PARTITION_S during a streamed request, then healed
+  partition  (two hosts only) every packet to and from the second host
+             dropped (iptables, both ways of the ring) for PARTITION_S during
+             a streamed request, then healed
 
 From the fault's `t=` (written just before it acts), or the start of the
 partition, to the first one-token completion answered 200 (polled every
