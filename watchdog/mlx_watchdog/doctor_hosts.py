@@ -68,8 +68,6 @@ def sleep_checks(host: str, pmset_output: str) -> List[Check]:
     if "sleep" not in settings:
         return [(WARN, f"{host}: cannot read the sleep settings from `pmset -g`",
                  f"check by hand on {host}: pmset -g | grep sleep")]
-    if settings.get("SleepDisabled", ("0", None))[0] == "1":
-        return [(OK, f"{host}: never sleeps (pmset disablesleep 1)", None)]
     value, note = settings["sleep"]
     if value == "0":
         return [(OK, f"{host}: never sleeps when idle (pmset sleep 0)", None)]
