@@ -34,6 +34,15 @@ MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
 Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
 set, so a test can warm the server up first.
 
+The arm file may name the fault itself: a spec in it (say ``hang:decode``)
+replaces MLX_TEST_FAULT's action when it strikes, at the same <where>, so
+one server (or group) can be struck by a death, then a hang.
+
+MLX_TEST_IGNORE_SIGTERM=<file> (a rank blocked in native code, upstream mlx
+#3910): SIGTERM is ignored, and SIGHUP kills as by default; each arrival
+appends one line ``<SIGNAL> pid=<pid> t=<time>`` to <file>, so a test can
+tell which signal reached the process. Honours MLX_TEST_FAULT_RANK.
+
 MLX_TEST_FAULT_ONESHOT=1 makes a fault strike once per arming: it removes
 the arm file and starts counting afresh (a test arms it again for the next).
 
@@ -193,21 +202,41 @@ def _inject_chaos(owner, name, where):
     setattr(owner, name, chaotic)
 
 
-def _inject(module, action, kind, where, after):
+def _armed_as(action, kind, where):
+    """The action and kind to strike with: the arm file's spec, if it holds one.
+    (With the kind "armed" the file holds a kind only: see _error.)"""
+    if kind == _ARMED:
+        return action, kind
+    try:
+        with open(os.environ["MLX_TEST_FAULT_ARM_FILE"]) as handle:
+            spec = handle.read().strip()
+    except (KeyError, OSError):
+        spec = ""
+    if ":" in spec:
+        armed_action, armed_kind, armed_where, _ = _parse(spec)
+        if armed_where == where:
+            return armed_action, armed_kind
+    return action, kind
+
+
+def _inject(module, installed_action, installed_kind, where, after):
     owner = getattr(module, _TARGETS[where][1])
     name = _TARGETS[where][2]
-    if action == "chaos":
+    if installed_action == "chaos":
         return _inject_chaos(owner, name, where)
     original = getattr(owner, name)
     calls = [0]
+    struck = [None]  # the action, once struck
 
     def faulty(*args, **kwargs):
-        if action == "livelock" and calls[0] > after:  # once struck, for good
+        if struck[0] == "livelock":  # once struck, for good
             time.sleep(0.002)  # a real livelock spins; spare the shared CPU
             return [], []
         if _armed():
             calls[0] += 1
             if calls[0] > after:
+                action, kind = _armed_as(installed_action, installed_kind, where)
+                struck[0] = action
                 error = _error(kind) if action == "raise" else None  # before a one-shot unarms
                 if os.environ.get("MLX_TEST_FAULT_ONESHOT") == "1":
                     calls[0] = 0
@@ -306,6 +335,26 @@ def _stamp_deaths(generate):
     owner.next = next
 
 
+def _ignore_sigterm(trace):
+    import signal
+
+    def note(signum):
+        with open(trace, "a") as handle:
+            handle.write("%s pid=%d t=%.6f\n"
+                         % (signal.Signals(signum).name, os.getpid(), time.time()))
+
+    def on_sigterm(signum, _frame):
+        note(signum)
+
+    def on_sighup(signum, _frame):
+        note(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sighup)
+
+
 def _this_rank():
     wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
     return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
@@ -323,6 +372,8 @@ def _install():
     if _SPEC and _this_rank():
         action, kind, where, after = _parse(_SPEC)
         wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))
+    if os.environ.get("MLX_TEST_IGNORE_SIGTERM") and _this_rank():
+        _ignore_sigterm(os.environ["MLX_TEST_IGNORE_SIGTERM"])
     if wanted:
         when_imported = _shim_hooks()
         for name, hook in wanted:

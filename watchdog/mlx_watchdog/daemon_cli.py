@@ -231,6 +231,8 @@ def supervise_command(
         group_command = _group_command(command, env, private, remote_shim_path, no_shim)
         if group_command is not None:
             command = tuple(group_command.argv)
+            if group_command.hosts and not group_command.hosts[0].local:
+                listener_check = False  # rank 0 listens on another host, not in our tree
         if url is None:
             try:
                 url = group_command.probe_url() if group_command else url_from_command(command)

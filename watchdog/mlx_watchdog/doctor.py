@@ -76,6 +76,8 @@ class Context:
     port: int
     model: Optional[str]
     environ: Mapping[str, str]
+    hostfile: Optional[str] = None  # an mlx.launch group's hosts, checked too
+    remote_shim_path: Optional[str] = None  # the shim folder on the other hosts
     found: Dict[str, object] = field(default_factory=dict)
 
 
@@ -306,9 +308,21 @@ def service_group(ctx: Context) -> Group:
     return group
 
 
-#: The checks, in order; each function returns one Group (more may be appended).
+def hosts_group(ctx: Context) -> Optional[Group]:
+    """With --hostfile: every host of the group (doctor_hosts.py)."""
+    if ctx.hostfile is None:
+        return None
+    from .doctor_hosts import check_hosts
+
+    checks = check_hosts(ctx.hostfile, python=ctx.python, shim_path=ctx.remote_shim_path)
+    return Group(f"hosts ({ctx.hostfile})", [Check(*check) for check in checks])
+
+
+#: The checks, in order; each function returns one Group, or None when it has
+#: nothing to check here (more may be appended).
 GROUPS: List[Callable[[Context], Optional[Group]]] = [
     python_group, shim_group, model_group, port_group, folders_group, service_group,
+    hosts_group,
 ]
 
 
@@ -324,7 +338,8 @@ def _writable(folder: Path) -> Optional[str]:
 
 
 def diagnose(python: Optional[str], host: str = HOST, port: int = PORT,
-             model: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> dict:
+             model: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+             hostfile: Optional[str] = None, remote_shim_path: Optional[str] = None) -> dict:
     """Run every group; the findings as a dict (also what --json prints)."""
     environ = dict(os.environ if environ is None else environ)
     if python is None:
@@ -332,7 +347,7 @@ def diagnose(python: Optional[str], host: str = HOST, port: int = PORT,
     else:
         source = "--python"
     ctx = Context(python=python, python_source=source, host=host, port=port, model=model,
-                  environ=environ)
+                  environ=environ, hostfile=hostfile, remote_shim_path=remote_shim_path)
     groups = [g for g in (check(ctx) for check in GROUPS) if g is not None]
     counts = {status: sum(c.status == status for g in groups for c in g.checks)
               for status in (OK, WARN, FAIL)}
@@ -344,6 +359,7 @@ def diagnose(python: Optional[str], host: str = HOST, port: int = PORT,
         "parts": found.get("parts") or {}, "folders": found.get("folders") or {},
         "host": host, "port": port, "model": model,
         "groups": [{"title": g.title, "checks": [vars(c) for c in g.checks]} for g in groups],
+        "hosts": [vars(c) for g in groups if g.title.startswith("hosts (") for c in g.checks],
         "problems": [c.message for g in groups for c in g.checks if c.status == FAIL],
         "warnings": [c.message for g in groups for c in g.checks if c.status == WARN],
         "counts": counts, "ok": counts[FAIL] == 0,
@@ -384,14 +400,22 @@ def format_report(report: dict, colour: bool = False) -> str:
               help="The server's --port.")
 @click.option("--model", default=None, help="The server's --model: a folder is checked.")
 @click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--hostfile", default=None, type=click.Path(dir_okay=False),
+              help="An mlx.launch group's hostfile: also check every host (ssh, the same "
+              "mlx and mlx-lm, the shim, macOS sleep settings).")
+@click.option("--remote-shim-path", default=None,
+              help="With --hostfile: the shim folder on the other hosts. "
+              "[default: the same path as here]")
 @click.option("--no-color", "no_color", is_flag=True,
               help="No colour even on a terminal (so does a set NO_COLOR variable).")
 @click.pass_context
 def doctor_command(ctx: click.Context, python: Optional[str], host: str, port: int,
-                   model: Optional[str], as_json: bool, no_color: bool) -> None:
+                   model: Optional[str], as_json: bool, hostfile: Optional[str],
+                   remote_shim_path: Optional[str], no_color: bool) -> None:
     """Check the environment a server would run in: ✓ fine, ! worth knowing,
     ✗ a problem (each with its fix). Exits 1 when there is a problem."""
-    report = diagnose(python, host, port, model)
+    report = diagnose(python, host, port, model, hostfile=hostfile,
+                      remote_shim_path=remote_shim_path)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

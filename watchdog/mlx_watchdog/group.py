@@ -8,7 +8,8 @@ mlx/_distributed_utils/launch.py) and rely on here:
 - Local ranks inherit the launcher's environment, so PYTHONPATH (the shim)
   and MLX_HOTFIX_HEARTBEAT_FILE reach them as they are. Remote ranks get only
   `--env K=V` (and the hostfile's "envs"): the shim's path on those hosts is
-  passed that way.
+  passed that way. But `--env` is exported on every rank, local ones too:
+  the PYTHONPATH passed keeps this machine's after the remote shim's path.
 - When a rank exits non-zero the launcher terminates the others, logs
   "Node with rank N exited with code C", and then itself exits **0**. A
   service manager that restarts on failure never restarts such a group, so
@@ -34,7 +35,6 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -104,6 +104,20 @@ class LaunchCommand:
     @property
     def local_ranks(self) -> List[int]:
         return [rank for rank, host in enumerate(self.hosts) if host.local]
+
+    def launch_env(self) -> Dict[str, str]:
+        """The launcher's own `--env K=V` assignments (what remote ranks get)."""
+        found: Dict[str, str] = {}
+        for i, arg in enumerate(self.options):
+            if arg == "--env" and i + 1 < len(self.options):
+                assignment = self.options[i + 1]
+            elif arg.startswith("--env="):
+                assignment = arg[len("--env="):]
+            else:
+                continue
+            key, _, value = assignment.partition("=")
+            found[key] = value
+        return found
 
     def with_env(self, assignments: Mapping[str, str]) -> "LaunchCommand":
         """The same command with `--env K=V` added (reaches remote ranks)."""
@@ -351,72 +365,6 @@ def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
     return problems
 
 
-_VERSIONS_SCRIPT = (
-    "import importlib.metadata as m, json, os\n"
-    "v = {}\n"
-    "for d in ('mlx', 'mlx-lm'):\n"
-    "    try: v[d] = m.version(d)\n"
-    "    except Exception: v[d] = None\n"
-    "p = os.environ.get('SHIM', '')\n"
-    "v['shim'] = os.path.isfile(os.path.join(p, 'mlx_hotfix', '__init__.py'))\n"
-    "print(json.dumps(v))\n"
-)
-
-
-def check_hostfile(path: "str | os.PathLike[str]", *, python: Optional[str] = None,
-                   shim_path: Optional[str] = None, run: Runner = subprocess.run) -> List[str]:
-    """For `mlx-watchdog doctor`: every problem with serving from this hostfile,
-    one line each ([] when fine): the file parses, each host is reachable the
-    way mlx.launch reaches it, and each has the same mlx, mlx-lm and shim.
-
-    python: the interpreter ranks run (default: this one; same path on every
-    host, as mlx.launch assumes); shim_path: the shim folder on the hosts
-    (default: this installation's, the same path everywhere).
-    """
-    try:
-        hosts, _ = read_hosts(path)
-    except GroupError as exc:
-        return [str(exc)]
-    python = python or sys.executable
-    if shim_path is None:
-        from .shim import shim_dir
-
-        try:
-            shim_path = str(shim_dir())
-        except FileNotFoundError as exc:
-            return [str(exc)]
-    names = []
-    for host in hosts:
-        name = LOCAL_HOST if is_this_machine(host.ssh) else host.ssh
-        if name not in names:
-            names.append(name)
-    remote = [n for n in names if n != LOCAL_HOST]
-    problems = unreachable_hosts(remote, run=run)
-    bad = {p.split(":", 1)[0] for p in problems}
-    found: Dict[str, object] = {}
-    for name in names:
-        if name in bad:
-            continue
-        script = f"SHIM={shlex.quote(shim_path)} {shlex.quote(python)} -c " \
-                 f"{shlex.quote(_VERSIONS_SCRIPT)}"
-        argv = ["bash", "-c", script] if name == LOCAL_HOST else ssh_check_argv(name, script)
-        try:
-            result = run(argv, capture_output=True, text=True, timeout=60)
-            versions = json.loads(result.stdout.strip().splitlines()[-1])
-        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-            problems.append(f"{name}: cannot run {python} there to read the mlx versions")
-            continue
-        if not versions.get("shim"):
-            problems.append(f"{name}: no hotfix shim at {shim_path} (install mlx-watchdog "
-                            "there, or pass its path with --remote-shim-path)")
-        found[name] = (versions.get("mlx"), versions.get("mlx-lm"))
-    if len(set(found.values())) > 1:
-        listing = "; ".join(f"{n}: mlx {v[0]}, mlx-lm {v[1]}" for n, v in found.items())
-        problems.append(f"the hosts run different releases ({listing}): every rank must "
-                        "run the same mlx and mlx-lm")
-    return problems
-
-
 # -- per-rank heartbeats --------------------------------------------------------------
 
 
@@ -496,7 +444,8 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     """For supervise and exec: the group command as it should run, or None if
     argv is not mlx.launch. Local host names in the hostfile become 127.0.0.1;
     remote ranks get the shim (`--env PYTHONPATH=`, at remote_shim_path, by
-    default the same path as here) and the heartbeat and shim settings.
+    default the same path as here, followed by this machine's PYTHONPATH for
+    the local ranks) and the shim's settings.
     GroupError when it cannot run."""
     command = parse_launch(argv)
     if command is None:
@@ -505,9 +454,12 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     if not command.remote_hosts:
         return command
     # The shim's settings, but not the heartbeat file: its folder is on this host.
+    # What the command itself passes with --env stands (it comes first: ours
+    # would win), but the shim goes in front of its PYTHONPATH.
+    own = command.launch_env()
     forwarded = {k: v for k, v in env.items()
-                 if (k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
-                 or k == "HF_HUB_OFFLINE"}
+                 if ((k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
+                     or k == "HF_HUB_OFFLINE") and k not in own}
     if not shim:
         return command.with_env(forwarded)
     shim_folder = remote_shim_path or env.get(REMOTE_SHIM_ENV)
@@ -519,7 +471,14 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
         except FileNotFoundError:
             shim_folder = None
     if shim_folder:
-        forwarded = {"PYTHONPATH": shim_folder, **forwarded}
+        # mlx.launch exports --env for every rank, local ones too: so this
+        # PYTHONPATH ends with this machine's own (its shim first), which a
+        # local rank would otherwise lose. A folder missing on a host is
+        # skipped there; the first shim found runs.
+        entries = [shim_folder, *own.get("PYTHONPATH", "").split(":"),
+                   *env.get("PYTHONPATH", "").split(os.pathsep)]
+        path = ":".join(dict.fromkeys(e for e in entries if e))  # ':' on macOS and Linux
+        forwarded = {"PYTHONPATH": path, **forwarded}
     return command.with_env(forwarded)
 
 
