@@ -292,12 +292,15 @@ def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
 
 def test_a_host_named_like_an_ssh_option_is_refused_before_ssh_runs(tmp_path):
     # With the real ssh: "-oProxyCommand=touch FILE" as a host ran the command
-    # here, during `install --dry-run`, with --hosts, and in check_hostfile.
+    # here, during `install --dry-run`, with --hosts, and in `doctor --hostfile`.
     marker = tmp_path / "ran"
     evil = f"-oProxyCommand=touch {marker}"
     path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), (evil, "10.0.0.6"))
     python = str(python_for("0.32.2"))
-    problems = group.check_hostfile(path, python=python, shim_path="/s")
+    from mlx_watchdog.doctor_hosts import FAIL, check_hosts
+
+    problems = [message for status, message, _ in check_hosts(path, python=python, shim_path="/s")
+                if status == FAIL]
     assert len(problems) == 1 and "host 1: host name '-oProxyCommand=touch" in problems[0]
     assert "starts with '-', which ssh reads as an option" in problems[0]
     with pytest.raises(GroupError, match="starts with '-'"):
