@@ -135,7 +135,25 @@ def record(phase):
     }
     if warning():
         data["warning"] = warning()
+    _add_fields(data)
     return data
+
+
+_field_sources = []  # other parts' fields for the record and /health (admission's counts)
+
+
+def add_fields(source):
+    """source() -> a dict of fields to add to every record and /health body."""
+    if source not in _field_sources:
+        _field_sources.append(source)
+
+
+def _add_fields(data):
+    for source in _field_sources:
+        try:
+            data.update(source())
+        except Exception:  # noqa: BLE001 - another part's fields never cost a beat
+            pass
 
 
 def _write(data):
@@ -261,6 +279,7 @@ def health():
         return 503, {"status": "loading"}
     age = None if _last_delivery_mono is None else round(now - _last_delivery_mono, 3)
     body = {"in_flight": _in_flight, "last_delivery_age_s": age}
+    _add_fields(body)
     if current == STALLED:
         body = dict(status="stalled", stall_timeout_s=config.current().stall_timeout, **body)
         return 503, body
@@ -354,6 +373,12 @@ def delivered(kind):
     _last_delivery_mono = _progress_mono = now
     if _stalled:
         _check_stall(now)
+
+
+def last_delivery_age():
+    """Seconds since the last delivery to a client, or None before the first."""
+    last = _last_delivery_mono
+    return None if last is None else round(time.monotonic() - last, 3)
 
 
 def request_started():
