@@ -49,6 +49,10 @@ METRICS_HOST = "127.0.0.1"
 LOG_FORMAT = "text"
 API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
+# The probe says who it is: the shim's admission part never refuses it nor
+# queues it behind waiting clients (sitecustomize/mlx_hotfix/patches/admission.py).
+PROBE_HEADER = "X-MLX-Watchdog-Probe"
+BUSY_ERROR_TYPE = "server_busy"  # the shim's 503 when it sheds load (admission)
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
 
