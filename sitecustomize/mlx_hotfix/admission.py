@@ -93,7 +93,6 @@ class Gate:
         self._probes = 0
         self._service = collections.deque(maxlen=_SERVICE_SAMPLES)
         self.slots = lambda: 1  # the patch gives the live count (it may change at a load)
-        self.on_hand_over = None  # called when a request leaves the line for a slot
         self.rejected = dict.fromkeys(REASONS, 0)
         self.deadline_stops = 0
 
@@ -187,10 +186,7 @@ class Gate:
     def _fill_locked(self):
         slots = self._slots()
         while self._line and self._occupied_locked() < slots:
-            ticket = self._line.popleft()
-            self._start_locked(ticket)
-            if self.on_hand_over is not None:
-                self.on_hand_over()
+            self._start_locked(self._line.popleft())
 
     def _wait_time(self, ticket):
         if ticket.queue_deadline is None:

@@ -25,8 +25,9 @@ How (the mechanism is mlx_hotfix.admission; this module wires it):
 - ``APIHandler.generate_response``: such a cut answer ends with
   ``finish_reason: "length"`` (streaming: the last chunk, then ``[DONE]``).
 - ``TimeBudget.__next__`` (0.30.6 on): when a request leaves the line for a
-  freed slot while others still decode, the current decode budget (up to
-  0.5 s) ends early so the loop takes it at once, as stock's own queue would.
+  freed slot while others still decode, or one is cut at its deadline, the
+  current decode budget (up to 0.5 s) ends early, so the loop takes the new
+  one (as stock's own queue would) or drops the cut one at once.
 
 Slots: stock decodes at most ``max(--decode-concurrency,
 --prompt-concurrency)`` requests of a batchable model at once, one request
@@ -68,7 +69,7 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 _local = threading.local()  # the ticket of the request this handler thread serves
 gate = None
 _generator = None  # the server's ResponseGenerator, for the slot count
-_wake_loop = False  # a request left the line: end the current decode budget
+_wake_loop = False  # end the current decode budget: the loop has something to do
 _distributed_said = False
 
 
@@ -96,7 +97,10 @@ def _slots():
     return max(int(args.decode_concurrency), int(args.prompt_concurrency), 1)
 
 
-def _hand_over():
+def _end_budget():
+    """The loop should look at its requests now: one left our line for a freed
+    slot, or one was cut at its deadline (stock drops a stopped request only
+    after its decode budget, up to 0.5 s of tokens for nobody)."""
     global _wake_loop
     _wake_loop = True
 
@@ -227,7 +231,7 @@ def _make_deadline_queue(base, context_class):
             if ticket is not None and ticket.ctx is None and not ticket.probe:
                 self._mlx_hotfix_ticket = ticket
                 if ticket.waited:
-                    _hand_over()  # stock's generate puts the request right after this
+                    _end_budget()  # stock's generate puts the request right after this
 
         def get(self, block=True, timeout=None):
             ticket = self._mlx_hotfix_ticket
@@ -249,6 +253,7 @@ def _make_deadline_queue(base, context_class):
             # after what is already generated, and through every reader above.
             ticket.cut = True
             ticket.ctx.stop()
+            _end_budget()
             self.put(None)
             gate.deadline_stop()
 
@@ -326,7 +331,6 @@ def apply(server):
         replacements.append((budget, "__next__", _wrap_budget_next(budget.__next__)))
     new_gate = admission.Gate(max_queue=settings.max_queue, summary=admission.Summary())
     new_gate.slots = _slots
-    new_gate.on_hand_over = _hand_over
     # Built first, assigned last: a failure above leaves the server untouched.
     gate = new_gate
     for owner, name, value in replacements:
