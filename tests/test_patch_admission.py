@@ -20,9 +20,14 @@ import pytest
 import requests
 
 from tests.conftest import FAULTS_DIR
+from tests.test_watchdog_real import FAST, LOAD_S, server_command, watchdogs  # noqa: F401
 from harness.procs import chat_body
-from harness.server import SHIM_DIR, VERSIONS, BackgroundRequest, run_python, sse_events
+from harness.server import (SHIM_DIR, VERSIONS, BackgroundRequest, free_port, run_python,
+                            sse_events)
 from harness.storm import burst, request_bytes
+from harness.watchdog_run import wait_serving
+from mlx_watchdog.judge import BUSY, Evidence, Judge
+from mlx_watchdog.probe import ProbeResult, _read_completion
 
 ONE_SLOT = ("--decode-concurrency", "1", "--prompt-concurrency", "1")
 BUSY_TYPE = "server_busy"
@@ -60,7 +65,8 @@ def _wait(condition, what, server, timeout=120.0):
         value = condition()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{server.log()[-3000:]}"
+        log = server.log() if hasattr(server, "log") else server.text()
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{log[-3000:]}"
         time.sleep(0.02)
 
 
@@ -462,3 +468,107 @@ def test_the_line_is_first_come_first_served_and_says_itself_once_a_minute():
     assert out["describe"] == "max queue 2, queue timeout 2 s, request timeout off"
     assert out["header"] == 1.5
     assert len(out["bad"]) == 6 and all(b.startswith("X-Request-Timeout: ") for b in out["bad"])
+
+
+# -- the watchdog under the storm ----------------------------------------------------------
+
+
+
+def _scrape(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "instance"))):
+            s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_watchdog_never_restarts_a_server_that_is_busy_and_shedding(watchdogs, tiny_llama,
+                                                                        tmp_path, version):
+    port, metrics_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    sup = watchdogs(["supervise", *FAST, "--metrics-port", str(metrics_port), "--",
+                     *server_command(version, tiny_llama, port, *ONE_SLOT)],
+                    env={"MLX_HOTFIX_MAX_QUEUE": "2"})
+    wait_serving(url, LOAD_S, log=sup)
+    sup.wait_event(lambda e: e.get("state") == "healthy", 60, "a healthy probe")
+    child = sup.current_child()
+
+    # Storm after storm for a while (every probe, 1 s apart, meets one), and
+    # one plain request in the middle of each, judged as the probe would be.
+    refused = 0
+    verdicts = []
+    started = time.monotonic()
+    for _ in range(12):
+        storm = BackgroundStorm(port)
+        _wait(lambda: _health_at(url).get("queued") == 2, "a full queue", sup)
+        verdicts.append(_judged_plain_request(url))
+        answers = storm.join()
+        refused += sum(1 for a in answers if a.status == 503)
+        assert {a.status for a in answers} <= {200, 503}, [a.body[:200] for a in answers]
+        if time.monotonic() - started > 12:
+            break
+    assert refused >= 17
+    # A refused plain request carries its evidence: busy and shedding, tokens flowing.
+    judged = [v for v in verdicts if v is not None]
+    assert judged and all(v.state == BUSY for v in judged), verdicts
+
+    # The counts reach the state file, `status` and the metrics.
+    hold = [BackgroundRequest(lambda i=i: requests.post(
+        f"{url}/v1/chat/completions", json=chat_body(f"long {i}", max_tokens=3000), timeout=600),
+        name=f"hold-{i}") for i in range(3)]
+    server = sup.wait_for(lambda: (sup.record().get("server") or {}) if (
+        (sup.record().get("server") or {}).get("queued") == 2) else None, 120,
+        "the state file to show the queue")
+    assert server["running"] == 1, server
+    status = subprocess.run([sys.executable, "-m", "mlx_watchdog", "status", "--state-file",
+                             str(sup.state_path)], capture_output=True, text=True, timeout=60)
+    assert ", 1 running, 2 queued" in status.stdout, status.stdout
+    refused += len(judged)  # the plain requests were refused too
+    samples = sup.wait_for(lambda: (lambda s: s if s.get(
+        ("mlx_watchdog_rejected_total", (("reason", "queue_full"),))) == refused else None)(
+        _scrape(metrics_port)), 60, "the refusals in the metrics")
+    assert samples[("mlx_watchdog_queued", ())] == 2
+    assert samples[("mlx_watchdog_running", ())] == 1
+    assert samples[("mlx_watchdog_rejected_total", (("reason", "queue_timeout"),))] == 0
+    assert samples[("mlx_watchdog_deadline_stops_total", ())] == 0
+    for request in hold:
+        assert request.join(600) and request.status == 200, request
+
+    states = [e["state"] for e in sup.events() if e["event"] == "state"]
+    assert not {"failing", "wedged", "down"} & set(states), states
+    assert [e for e in sup.events() if e["event"] == "restart"] == [], sup.tail()
+    assert sup.record()["restarts"] == 0 and sup.child_pids() == [child]
+    assert sup.terminate() == 0
+
+
+class BackgroundStorm:
+    def __init__(self, port):
+        self.answers = []
+        self._thread = threading.Thread(
+            target=lambda: self.answers.extend(burst(port, 20, max_tokens=200)), daemon=True)
+        self._thread.start()
+
+    def join(self):
+        self._thread.join(600)
+        return self.answers
+
+
+def _health_at(url):
+    try:
+        return requests.get(f"{url}/health", timeout=10).json()
+    except (requests.RequestException, ValueError):
+        return {}
+
+
+def _judged_plain_request(url):
+    """A one-token request without the probe header; if refused, the judge's
+    verdict on it as a probe result (no heartbeat, no CPU figure)."""
+    response = requests.post(f"{url}/v1/chat/completions", timeout=120,
+                             json=chat_body("ping", max_tokens=1))
+    if response.status_code != 503:
+        return None
+    probe = ProbeResult(latency_s=0.01, **_read_completion(503, response.content))
+    assert probe.shedding, probe
+    return Judge().observe(Evidence(probe=probe, now=0.0, process_alive=None))
