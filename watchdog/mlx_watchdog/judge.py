@@ -38,16 +38,6 @@ state, a short reason, and whether to restart. The rule:
       A probe in flight stops waiting once the heartbeat is past the limit
       (compose.py gives it that check), so a hang is judged about
       `heartbeat_timeout` after it, never one more probe timeout later.
-   f. (Checked before b.) Busy and shedding: the shim's admission part
-      refused the probe with its 503 "server_busy" (the queue is full; the
-      probe is normally exempt, so this is an older probe or a client
-      watching the same way). An answer at all proves the HTTP side lives;
-      the answer also says when the server last delivered a token. Within
-      `heartbeat_timeout`: **busy**, never restarted, however long the
-      storm. Older (or not said): no proof of progress, so it goes on as a
-      timeout would (b, c, d): CPU, or busy up to `max_busy`.
-      A wedged server is not busy: its loop stops (stale heartbeat) or
-      delivers nothing (stalled), and its answers say so.
    b. No heartbeat, process CPU known (the process and its children): at
       least `cpu_busy_fraction` of one core over the interval is progress:
       **busy**. Below that for `failures` consecutive failed probes: **wedged**.
@@ -64,6 +54,16 @@ state, a short reason, and whether to restart. The rule:
       The loop may still turn (a livelock, upstream #1493): beats alone are
       not progress, deliveries are. A saturated server keeps delivering and
       is never stalled.
+   f. (Checked before b.) Busy and shedding: the shim's admission part
+      refused the probe with its 503 "server_busy" (the queue is full; the
+      probe is normally exempt, so this is an older probe or a client
+      watching the same way). An answer at all proves the HTTP side lives;
+      the answer also says when the server last delivered a token. Within
+      `heartbeat_timeout`: **busy**, never restarted, however long the
+      storm. Older (or not said): no proof of progress, so it goes on as a
+      timeout would (b, c, d): CPU, or busy up to `max_busy`.
+      A wedged server is not busy: its loop stops (stale heartbeat) or
+      delivers nothing (stalled), and its answers say so.
    Until one of these limits is reached, a failure without progress is
    **failing** (not yet acted on).
 
