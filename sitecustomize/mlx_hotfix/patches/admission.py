@@ -51,6 +51,7 @@ import types
 from .. import admission, config, heartbeat
 from .._wrap import _wrap as _wrap_as
 from .._wrap import wrapped_by
+from . import loop_shapes
 from ._http import send_json
 from ._source import source_of
 
@@ -285,18 +286,11 @@ def _wrap_budget_next(original):
 
 
 def check_shape(server):
-    handler = getattr(server, "APIHandler", None)
-    generator = getattr(server, "ResponseGenerator", None)
-    context = getattr(server, "GenerationContext", None)
-    if handler is None or generator is None or context is None:
-        return "mlx_lm.server has no APIHandler/ResponseGenerator/GenerationContext"
-    if not callable(getattr(context, "stop", None)):
-        return "GenerationContext has no stop()"
-    for owner, name in ((handler, "handle_completion"), (handler, "generate_response"),
-                        (generator, "generate"), (generator, "_generate"),
-                        (generator, "_is_batchable")):
-        if not callable(getattr(owner, name, None)):
-            return "%s.%s is missing" % (owner.__name__, name)
+    why = loop_shapes.check_stoppable(server, ("handle_completion", "generate_response"),
+                                      ("generate", "_generate", "_is_batchable"))
+    if why is not None:
+        return why
+    handler, generator = server.APIHandler, server.ResponseGenerator
     if wrapped_by(handler.handle_completion, NAME):
         return "already applied"
     if not (isinstance(server.Queue, type) and issubclass(server.Queue, queue.Queue)):
