@@ -270,15 +270,17 @@ def test_a_request_past_its_deadline_ends_with_finish_reason_length(servers, tin
     after = server.chat("next", max_tokens=5, timeout=120)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
     assert _steps(server) - before < 1000, (before, _steps(server))
-    beat = _wait(lambda: (_beat(server) if _beat(server).get("deadline_stops") == 3 else None),
-                 "the heartbeat", server)
-    assert beat["running"] == 0 and beat["queued"] == 0, beat
+    beat = _wait(lambda: (lambda b: b if (b.get("deadline_stops"), b.get("running")) == (3, 0)
+                          else None)(_beat(server)), "the heartbeat once idle", server)
+    assert beat["queued"] == 0 and beat["rejected_queue_full"] == 0, beat
     _wait(lambda: any(l.startswith("mlx-hotfix: admission: ") and "stopped at the deadline" in l
                       for l in server.hotfix_lines()), "the summary line", server, timeout=30)
     assert "Traceback" not in server.log()
 
 
 # -- an OpenAI client against a full queue; the probe never waits in line -----------------
+
+SERVICE = 1500  # tokens: seconds of work here, so the first attempt finds the queue full
 
 
 @pytest.mark.server
@@ -288,20 +290,8 @@ def test_an_openai_client_retries_after_retry_after_and_succeeds(servers, tiny_l
     openai = pytest.importorskip("openai")
     server = servers(version, tiny_llama, args=ONE_SLOT, env=_env(tmp_path, MLX_HOTFIX_MAX_QUEUE=2))
     server.warm_up()
-    assert server.chat("measure", max_tokens=300, timeout=120).status_code == 200
-    fill = [BackgroundRequest(lambda i=i: _post(server, chat_body(f"fill {i}", max_tokens=300)),
-                              name=f"fill-{i}") for i in range(3)]
-    _wait(lambda: (_health(server)["queued"], _health(server)["running"]) == (2, 1),
-          "a full queue", server)
-
-    # The watchdog's probe is neither refused nor queued behind the line; the
-    # header alone (a longer request) buys nothing.
-    probe_headers = {"X-MLX-Watchdog-Probe": "1"}
-    pretender = _post(server, chat_body("me too", max_tokens=50), headers=probe_headers)
-    _assert_busy(pretender.status_code, pretender.headers, pretender.json(), "queue_full")
-    probe = BackgroundRequest(lambda: _post(server, chat_body("ping", max_tokens=1),
-                                            headers=probe_headers), name="probe")
-
+    # One request alone: the recent service time Retry-After is estimated from.
+    assert server.chat("measure", max_tokens=SERVICE, timeout=300).status_code == 200
     attempts = []
 
     def record(response):
@@ -311,7 +301,12 @@ def test_an_openai_client_retries_after_retry_after_and_succeeds(servers, tiny_l
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="not-needed",
                            http_client=openai.DefaultHttpxClient(
                                event_hooks={"response": [record]}))
-    completion = client.chat.completions.create(
+    fill = [BackgroundRequest(lambda i=i: _post(server, chat_body(f"fill {i}", max_tokens=SERVICE),
+                                                timeout=300), name=f"fill-{i}")
+            for i in range(3)]
+    _wait(lambda: (_health(server)["queued"], _health(server)["running"]) == (2, 1),
+          "a full queue", server)
+    completion = client.chat.completions.create(  # default retries (2)
         model="default_model", messages=[{"role": "user", "content": "hello"}], max_tokens=5)
     assert completion.choices[0].message.content is not None
     assert completion.usage.completion_tokens == 5
@@ -320,12 +315,42 @@ def test_an_openai_client_retries_after_retry_after_and_succeeds(servers, tiny_l
     for (at, status, retry_after), (next_at, _, _) in zip(attempts, attempts[1:]):
         assert status == 503 and int(retry_after) >= 1
         assert next_at - at >= int(retry_after) - 0.05, attempts  # it waited as told
-
-    assert probe.join(120) and probe.status == 200, probe
     for request in fill:
         assert request.join(300) and request.status == 200, request
-    # The probe went ahead of the two that waited, and is in no count.
-    assert probe.finished_at < max(r.finished_at for r in fill)
+    assert "Traceback" not in server.log()
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_watchdogs_probe_is_never_refused_nor_queued_behind_the_line(servers, tiny_llama,
+                                                                         tmp_path, version):
+    server = servers(version, tiny_llama, args=ONE_SLOT, env=_env(tmp_path, MLX_HOTFIX_MAX_QUEUE=2))
+    server.warm_up()
+    holders = [_ask_and_hold(server)]  # one running, for as long as its client stays
+    _wait(lambda: _health(server)["running"] == 1, "the first to run", server)
+    holders += [_ask_and_hold(server) for _ in range(2)]
+    _wait(lambda: _health(server)["queued"] == 2, "a full queue", server)
+    probe_headers = {"X-MLX-Watchdog-Probe": "1"}
+    # The header alone buys nothing: a longer request waits, or is refused, as any.
+    pretender = _post(server, chat_body("me too", max_tokens=50), headers=probe_headers)
+    _assert_busy(pretender.status_code, pretender.headers, pretender.json(), "queue_full")
+    plain = _post(server, chat_body("ping", max_tokens=1))
+    _assert_busy(plain.status_code, plain.headers, plain.json(), "queue_full")
+    probe = BackgroundRequest(lambda: _post(server, chat_body("ping", max_tokens=1),
+                                            headers=probe_headers), name="probe")
+    # The probe is in no count; it waits for the slot, not behind the two.
+    assert _health(server)["queued"] == 2
+    holders[0].close()  # the running one's client leaves: the slot frees
+    assert probe.join(120) and probe.status == 200, probe
+    assert probe.json()["usage"]["completion_tokens"] == 1
+    # Then the line moves: the first of the two runs.
+    _wait(lambda: (_health(server)["queued"], _health(server)["running"]) == (1, 1),
+          "the line to move after the probe", server)
+    for holder in holders[1:]:
+        holder.close()
+    beat = _wait(lambda: (lambda b: b if b.get("running") == 0 else None)(_beat(server)),
+                 "the heartbeat once idle", server)
+    assert beat["rejected_queue_full"] == 2, beat  # the pretender and the plain one
     assert "Traceback" not in server.log()
 
 
