@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 
+import openai  # scripts/setup-envs installs it: missing is a failure, not a skip
 import pytest
 import requests
 
@@ -280,14 +281,13 @@ def test_a_request_past_its_deadline_ends_with_finish_reason_length(servers, tin
 
 # -- an OpenAI client against a full queue; the probe never waits in line -----------------
 
-SERVICE = 1500  # tokens: seconds of work here, so the first attempt finds the queue full
+SERVICE = 800  # tokens: seconds of work here, so the first attempt finds the queue full
 
 
 @pytest.mark.server
 @pytest.mark.parametrize("version", VERSIONS)
 def test_an_openai_client_retries_after_retry_after_and_succeeds(servers, tiny_llama,
                                                                  tmp_path, version):
-    openai = pytest.importorskip("openai")
     server = servers(version, tiny_llama, args=ONE_SLOT, env=_env(tmp_path, MLX_HOTFIX_MAX_QUEUE=2))
     server.warm_up()
     # One request alone: the recent service time Retry-After is estimated from.
@@ -532,7 +532,7 @@ def test_the_watchdog_never_restarts_a_server_that_is_busy_and_shedding(watchdog
         answers = storm.join()
         refused += sum(1 for a in answers if a.status == 503)
         assert {a.status for a in answers} <= {200, 503}, [a.body[:200] for a in answers]
-        if time.monotonic() - started > 12:
+        if time.monotonic() - started > 10:
             break
     assert refused >= 17
     # A refused plain request carries its evidence: busy and shedding, tokens flowing.
