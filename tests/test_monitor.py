@@ -226,17 +226,24 @@ def test_format_status_is_a_fleet_table():
                 "daemon_pid": 1,
             },
             "mac3": "garbage",
+            "mac4": {
+                "state": "busy", "since": 990.0, "restarts": 0, "last_ok_probe": 999.0,
+                # The admission part's counts replace the in-flight figure.
+                "server": {"decode_tok_s": 12.0, "in_flight": 1, "running": 1, "queued": 2},
+                "daemon_pid": 1,
+            },
         }
     }
     text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
     lines = text.splitlines()
     assert lines[0].split() == ["INSTANCE", "STATE", "LAST", "OK", "PROBE", "RESTARTS", "DECODE",
                                 "NEWEST", "REPORT"]
-    row = {line.split()[0]: line for line in lines[1:4]}
+    row = {line.split()[0]: line for line in lines[1:5]}
     assert re.search(r"healthy 10m00s +2s ago +1 \(heartbeat-stale 5m00s ago\) +"
                      r"56\.0 tok/s, 2 in flight +crash-1\.json 6m00s ago", row["mac1"])
     assert re.search(r"crash-looping 1m00s +never +6 \(exited 50s ago, FAILED\) +- +-", row["mac2"])
     assert re.search(r"mac3 +malformed record \(not a table\)", row["mac3"])
+    assert re.search(r"busy 10s +1s ago +0 +12\.0 tok/s, 1 running, 2 queued", row["mac4"])
     # The details follow for the instance that is not well, and only for it.
     assert "mac2: crash-looping for 1m00s  http://mac2:8080" in text
     assert "why: exited 70; 6 restarts in 300s: crash loop" in text

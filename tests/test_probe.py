@@ -50,6 +50,8 @@ def test_ok_sends_one_ordinary_request():
     }
     assert "seed" not in body  # a different seed drains mlx-lm's batch
     assert headers["Authorization"] == "Bearer k-123"
+    # The shim's admission part never refuses nor queues a request that says so.
+    assert headers["X-MLX-Watchdog-Probe"] == "1"
 
 
 def test_no_authorization_header_without_a_key():
@@ -90,6 +92,22 @@ def test_wrong_answers_are_unhealthy(answer, reason):
     assert result.status == UNHEALTHY
     assert reason in result.reason
     assert not result.dead_thread
+
+
+def test_the_shims_busy_503_is_read_as_shedding_with_its_last_delivery():
+    busy = {"error": {"message": "the server is busy: 2 requests already wait for 1 slot",
+                      "type": "server_busy", "code": 503, "reason": "queue_full"},
+            "queued": 2, "running": 1, "last_delivery_age_s": 0.25}
+    with FakeServer(completion=json_answer(503, busy)) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.http_status == 503
+    assert result.shedding and result.last_delivery_age_s == 0.25 and not result.dead_thread
+    assert "the server is busy" in result.reason
+    other = dict(busy, error=dict(busy["error"], type="server_error"))
+    for answer in (json_answer(503, other), json_answer(500, busy), json_answer(503, {})):
+        with FakeServer(completion=answer) as server:
+            result = probe(server.url)
+        assert not result.shedding and result.last_delivery_age_s is None, answer
 
 
 def test_dead_thread_404_is_flagged():

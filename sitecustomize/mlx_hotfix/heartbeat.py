@@ -138,7 +138,25 @@ def record(phase):
         data["warning"] = warning()
     # memory.py: sampled once per interval; the loop's own beat may serve a trim.
     data["memory"] = memory.fields(trim_point=on_generation_thread() and not _stopped)
+    _add_fields(data)
     return data
+
+
+_field_sources = []  # other parts' fields for the record and /health (admission's counts)
+
+
+def add_fields(source):
+    """source() -> a dict of fields to add to every record and /health body."""
+    if source not in _field_sources:
+        _field_sources.append(source)
+
+
+def _add_fields(data):
+    for source in _field_sources:
+        try:
+            data.update(source())
+        except Exception:  # noqa: BLE001 - another part's fields never cost a beat
+            pass
 
 
 def _write(data):
@@ -266,6 +284,7 @@ def health():
         return 503, {"status": "loading", "memory": memory.fields()}
     age = None if _last_delivery_mono is None else round(now - _last_delivery_mono, 3)
     body = {"in_flight": _in_flight, "last_delivery_age_s": age, "memory": memory.fields()}
+    _add_fields(body)
     if current == STALLED:
         body = dict(status="stalled", stall_timeout_s=config.current().stall_timeout, **body)
         return 503, body
@@ -364,6 +383,12 @@ def delivered(kind, counted=True):
     _last_delivery_mono = _progress_mono = now
     if _stalled:
         _check_stall(now)
+
+
+def last_delivery_age():
+    """Seconds since the last delivery to a client, or None before the first."""
+    last = _last_delivery_mono
+    return None if last is None else round(time.monotonic() - last, 3)
 
 
 def request_started():

@@ -21,10 +21,6 @@ MAX_BODY_BYTES = 1 << 20
 # /health says 200 regardless (0.31); on, it costs a second request per probe.
 CHECK_HEALTH = False
 
-# Sent with every probe request; the shim keeps such requests out of the
-# server's log and its throughput counters (a name shared with the shim).
-PROBE_HEADER = "X-MLX-Watchdog-Probe"
-
 # Judging
 FAILURES = 3  # consecutive failed probes (without progress) before acting
 BOOT_GRACE_S = 60.0  # after each (re)start, failures do not count
@@ -52,6 +48,11 @@ METRICS_HOST = "127.0.0.1"
 LOG_FORMAT = "text"
 API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
+# Sent with every probe request (value "1"): the shim keeps such requests out
+# of the server's log and throughput counters (patches/heartbeat.py), and its
+# admission part never refuses one nor queues it behind waiting clients.
+PROBE_HEADER = "X-MLX-Watchdog-Probe"
+BUSY_ERROR_TYPE = "server_busy"  # the shim's 503 when it sheds load (admission)
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
 # The instance's name, for the shim's crash reports (several instances share a

@@ -14,6 +14,8 @@ from .throughput import COUNTERS, ThroughputReading
 
 STATE_LABEL = "state"  # mlx_watchdog_state{state="healthy"}: the rules and dashboard query it
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# heartbeat counter (throughput.COUNTERS) -> the reason label of mlx_watchdog_rejected_total
+_REJECTED = {"rejected_queue_full": "queue_full", "rejected_queue_timeout": "queue_timeout"}
 
 
 class Metrics:
@@ -66,11 +68,33 @@ class Metrics:
             "decode_tokens": "Tokens generated (decode), from the shim's heartbeat.",
             "requests": "Requests the server finished (completed or failed), from the heartbeat.",
             "cancelled_requests": "Requests cancelled (client gone), from the shim's heartbeat.",
+            "deadline_stops": "Requests stopped at their deadline (MLX_HOTFIX_REQUEST_TIMEOUT "
+                              "or X-Request-Timeout), from the shim's heartbeat.",
         }
         self.server_counters = {
             name: Counter(f"mlx_watchdog_{name}", helps[name], ["instance"], registry=self.registry)
-            for name in COUNTERS.values()
+            for name in COUNTERS.values() if name in helps
         }
+        self.rejected = Counter(
+            "mlx_watchdog_rejected",
+            "Requests the shim refused with 503 busy, by reason: queue_full "
+            "(MLX_HOTFIX_MAX_QUEUE) or queue_timeout (MLX_HOTFIX_QUEUE_TIMEOUT); "
+            "from the heartbeat.",
+            ["instance", "reason"],
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "mlx_watchdog_queued",
+            "Requests waiting for a slot, from the shim's heartbeat (admission part).",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "mlx_watchdog_running",
+            "Requests generating (holding a slot), from the shim's heartbeat (admission part).",
+            ["instance"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "mlx_watchdog_in_flight",
             "Requests the server is working on, from the shim's heartbeat.",
@@ -88,15 +112,22 @@ class Metrics:
         """Create an instance's counters at zero, so increase() sees their first step."""
         for counter in self.server_counters.values():
             counter.labels(instance)
+        for reason in _REJECTED.values():
+            self.rejected.labels(instance, reason)
         self.crash_reports.labels(instance)
         for cause in causes:
             self.restarts.labels(instance, cause)
 
     def observe_throughput(self, instance: str, reading: ThroughputReading) -> None:
         for name, increment in reading.increments.items():
-            self.server_counters[name].labels(instance).inc(increment)
-        if reading.in_flight is not None:
-            self.in_flight.labels(instance).set(reading.in_flight)
+            if name in _REJECTED:
+                self.rejected.labels(instance, _REJECTED[name]).inc(increment)
+            else:
+                self.server_counters[name].labels(instance).inc(increment)
+        for gauge, value in ((self.in_flight, reading.in_flight), (self.queued, reading.queued),
+                             (self.running, reading.running)):
+            if value is not None:
+                gauge.labels(instance).set(value)
 
     def reports_written(self, instance: str, count: int) -> None:
         if count:

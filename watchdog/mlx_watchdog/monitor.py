@@ -203,6 +203,8 @@ class Monitor:
                 self._server = {
                     "phase": reading.phase,
                     "in_flight": reading.in_flight,
+                    "queued": reading.queued,
+                    "running": reading.running,
                     "decode_tok_s": reading.rates.get("decode_tokens"),
                     "prefill_tok_s": reading.rates.get("prefill_tokens"),
                     "last_delivery": reading.last_delivery,

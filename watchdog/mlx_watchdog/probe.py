@@ -66,6 +66,11 @@ class ProbeResult:
     # request the server had been sent: that request may stay in flight on
     # the server until it answers it or is restarted.
     abandoned: bool = False
+    # The shim refused the probe because the server is busy (503, error type
+    # "server_busy": its queue is full), and how long ago it last delivered a
+    # token to anyone (None: not said). Busy and delivering is not wedged.
+    shedding: bool = False
+    last_delivery_age_s: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -223,15 +228,25 @@ def _read_completion(status: int, body: bytes) -> dict:
             return dict(status=UNHEALTHY, reason="200 without any tokens", http_status=200)
         return dict(status=OK, tokens=tokens, reason="ok", http_status=200)
     error = data.get("error") if isinstance(data, dict) else None
+    shedding = False
     if isinstance(error, dict):  # OpenAI style {"error": {"message": ...}}
+        shedding = status == 503 and error.get("type") == defaults.BUSY_ERROR_TYPE
         error = error.get("message")
     text = str(error) if error is not None else body[:_REASON_CHARS].decode("utf-8", "replace")
+    age = data.get("last_delivery_age_s") if shedding else None
     return dict(
         status=UNHEALTHY,
         reason=_short(f"HTTP {status}: {text.strip() or '(empty body)'}"),
         http_status=status,
         dead_thread=DEAD_THREAD_ERROR in text,
+        shedding=shedding,
+        last_delivery_age_s=float(age) if _is_age(age) else None,
     )
+
+
+def _is_age(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 <= value < float("inf"))
 
 
 def _warning(body: Optional[bytes]) -> Optional[str]:

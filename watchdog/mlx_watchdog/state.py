@@ -332,7 +332,11 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
         if isinstance(rate, (int, float)):
             decode = f"{rate:.1f} tok/s"
         in_flight = server.get("in_flight")
-        if isinstance(in_flight, int) and in_flight:
+        running, queued = server.get("running"), server.get("queued")
+        if isinstance(running, int) and isinstance(queued, int):  # the admission part's counts
+            if running or queued:
+                decode += f", {running} running, {queued} queued"
+        elif isinstance(in_flight, int) and in_flight:
             decode += f", {in_flight} in flight"
     report = record.get("newest_report")
     newest = "-"

@@ -3,8 +3,11 @@
 The shim's heartbeat file (see heartbeat.py) also carries per-process counters
 (branch i8's contract): prompt_tokens (prompt-progress deliveries),
 decode_tokens (generated tokens), requests, cancelled, and the in_flight
-gauge. The server counts them anyway; the watchdog reads them from the file it
-already reads, so nothing is added on the server's per-token path.
+gauge; with the admission part also rejected_queue_full,
+rejected_queue_timeout and deadline_stops, and the queued and running
+gauges (requests waiting for a slot, requests generating). The server
+counts them anyway; the watchdog reads them from the file it already reads,
+so nothing is added on the server's per-token path.
 
 Those counters start again at zero in every new server process. Prometheus
 counters must only grow, so `CounterTotals` turns them into totals that
@@ -30,6 +33,9 @@ COUNTERS = {
     "decode_tokens": "decode_tokens",
     "requests": "requests",
     "cancelled": "cancelled_requests",
+    "rejected_queue_full": "rejected_queue_full",
+    "rejected_queue_timeout": "rejected_queue_timeout",
+    "deadline_stops": "deadline_stops",
 }
 RATE_WINDOW_S = 60.0  # tok/s in `status` is the mean over about this long
 
@@ -84,6 +90,8 @@ class ThroughputReading:
     increments: Dict[str, int]  # what to add to each counter this tick
     rates: Dict[str, Optional[float]]  # per second over RATE_WINDOW_S; None: not yet known
     last_delivery: Optional[float] = None
+    queued: Optional[int] = None  # waiting for a slot (admission part)
+    running: Optional[int] = None  # generating
 
 
 class ThroughputTracker:
@@ -132,6 +140,8 @@ class ThroughputTracker:
             increments=increments,
             rates=rates,
             last_delivery=last_delivery if isinstance(last_delivery, (int, float)) else None,
+            queued=_count(record.get("queued")),
+            running=_count(record.get("running")),
         )
         return self.last
 
