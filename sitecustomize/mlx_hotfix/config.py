@@ -15,15 +15,20 @@ MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
 MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
 MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
+MLX_HOTFIX_DRAIN_TIMEOUT=25  the first SIGTERM drains at most this long (0: answer at once)
+MLX_HOTFIX_LAUNCHD_SOCKET=N  serve on launchd's socket N of the job's Sockets (macOS)
 """
 
 import os
 
-PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
+PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "drain", "socket")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
 MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load too
+# Below the 30 s that launchd's ExitTimeOut, systemd's TimeoutStopSec and the
+# watchdog's stop grace give a stopping server before SIGKILL.
+DEFAULT_DRAIN_TIMEOUT = 25.0
 
 
 class Config:
@@ -62,6 +67,11 @@ class Config:
             environ, "MLX_HOTFIX_STALL_TIMEOUT", 300.0, float,
             lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",
         )
+        self.drain_timeout = self._number(
+            environ, "MLX_HOTFIX_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT, float,
+            lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
+        )
+        self.launchd_socket = environ.get("MLX_HOTFIX_LAUNCHD_SOCKET", "").strip() or None
         self.parent_pid = self._number(
             environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
         )

@@ -29,9 +29,10 @@ import sys
 
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
-from . import advance, disconnect, exit_on_death, extend, heartbeat, recover
+from . import advance, disconnect, drain, exit_on_death, extend, heartbeat, held_socket, recover
 
-PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect)
+# drain after exit (it needs the exit part's stop) and heartbeat (it wraps /health outside).
+PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, drain, held_socket)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
