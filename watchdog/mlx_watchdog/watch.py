@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from . import compose, defaults, reports
@@ -20,6 +21,7 @@ from .act import (
     LaunchdRestart,
     SignalRestart,
     SystemdRestart,
+    restart_planned,
 )
 from .config import InstanceConfig, RestartConfig
 from .heartbeat import read_heartbeat
@@ -61,6 +63,10 @@ class StacksFirst:
             except Exception:  # noqa: BLE001 - no process to ask: no stacks
                 pass
         return pids
+
+    def restart_planned(self, reason: str) -> ActionResult:
+        """A planned restart: nothing is wrong, so no stacks; the action drains."""
+        return restart_planned(self.action, reason)
 
     def restart(self, reason: str) -> ActionResult:
         try:
@@ -130,10 +136,16 @@ def _with_stacks(instance: InstanceConfig, locator: Optional[ProcessLocator]):
 class Watcher:
     """Runs monitors, each every `interval` seconds, until stopped."""
 
-    def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float]):
+    def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float],
+                 control: Optional[Path] = None):
         self.monitors = monitors
         self.intervals = intervals
+        self.control = control  # the folder `mlx-watchdog restart` writes to (control.py)
         self._stop = threading.Event()  # for the monitor threads
+        # One per monitor: its sleep ends early (stop, a planned restart).
+        self._wakes = {name: threading.Event() for name in monitors}
+        for name, monitor in monitors.items():
+            monitor.wake = self._wakes[name].set
         self._stopping = False  # set by signal handlers: no locks there (wakeup.py)
         self._wakeup = Wakeup()
 
@@ -149,10 +161,17 @@ class Watcher:
                 previous[sig] = signal.signal(sig, self.request_stop)
             self._wakeup.wake_on_signals()  # even one taken by a monitor thread
         threads: List[threading.Thread] = []
+        poller = None
         try:
+            if self.control is not None:
+                from .control import ControlPoller
+
+                poller = ControlPoller(self.control, self.monitors)
+                poller.start()
             for name, monitor in self.monitors.items():
                 thread = threading.Thread(
-                    target=self._loop, args=(monitor, self.intervals[name]), name=name, daemon=True
+                    target=self._loop, args=(name, monitor, self.intervals[name]), name=name,
+                    daemon=True
                 )
                 thread.start()
                 threads.append(thread)
@@ -160,6 +179,10 @@ class Watcher:
                 self._wakeup.sleep(3600)
         finally:
             self._stop.set()
+            for wake in self._wakes.values():
+                wake.set()
+            if poller is not None:
+                poller.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._wakeup.close()
@@ -170,7 +193,8 @@ class Watcher:
                 monitor.state.flush()
         return 0
 
-    def _loop(self, monitor: Monitor, interval: float) -> None:
+    def _loop(self, name: str, monitor: Monitor, interval: float) -> None:
+        wake = self._wakes[name]
         monitor.started()
         while not self._stop.is_set():
             began = time.monotonic()
@@ -178,4 +202,5 @@ class Watcher:
                 monitor.tick()
             except Exception:  # noqa: BLE001 - a bug in one monitor must not silence the others
                 monitor.events.exception("error", "tick failed")
-            self._stop.wait(max(0.0, interval - (time.monotonic() - began)))
+            wake.wait(max(0.0, interval - (time.monotonic() - began)))
+            wake.clear()
