@@ -13,7 +13,9 @@ How, from the first SIGTERM (the ``exit`` part's signal handler hands it here):
   balancer moves away at once. A server on an inherited listening socket
   (patches/held_socket.py: supervise, systemd's .socket, launchd's Sockets)
   stops accepting instead: new connections wait in the kernel's backlog and
-  the next server process answers them, so nobody is refused or failed.
+  the next server process answers them, so nobody is refused or failed. (On
+  a held socket the same goes once the generation thread died: only the
+  requests in flight at the death are answered 503.)
 - Requests already accepted (generating, or waiting for a slot) go on to
   their normal end, streams to ``[DONE]``.
 - The drain ends when nothing is left, at MLX_HOTFIX_DRAIN_TIMEOUT (25 s),
@@ -272,11 +274,18 @@ def _wrap_server_activate(original):
     return _wrap(original, server_activate, NAME)
 
 
-def _park():
-    """The accept loop's thread waits here for the process to end: the
-    listening socket's backlog is left to the next server."""
-    while True:
-        time.sleep(3600)
+_PARK_S = 0.05
+
+
+def _wait_to_accept(listener):
+    """While this process takes no new connections, the accept loop's thread
+    waits here and the listening socket's backlog is left alone: for the next
+    server on a held socket. That is from the drain on, and on a held socket
+    also once the generation thread died or a stop began (until the recover
+    part revives the loop, if it does)."""
+    lifeline = exit_on_death.lifeline
+    while not listener.accepting or (listener.held and lifeline.dead):
+        time.sleep(_PARK_S)
 
 
 def _watch_listener(httpd):
@@ -286,8 +295,7 @@ def _watch_listener(httpd):
     get_request, shutdown_request = httpd.get_request, httpd.shutdown_request
 
     def accept():
-        if not listener.accepting:
-            _park()
+        _wait_to_accept(listener)
         request = get_request()
         state.accepted(listener, request[0])
         return request
