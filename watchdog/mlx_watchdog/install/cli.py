@@ -39,8 +39,9 @@ launchd: ~/Library/LaunchAgents/io.github.mlx-watchdog.NAME.{server,watchdog}.pl
   background (App Nap-style) throttling.
 systemd: ~/.config/systemd/user/NAME-{server,watchdog}.service (--system:
   /etc/systemd/system), logs in the journal. The server is Type=notify with
-  WatchdogSec=60, TimeoutStartSec=600, Restart=on-failure, and at most 5
-  starts in 10 minutes.
+  WatchdogSec=60, TimeoutStartSec=600, Restart=on-failure, and no start
+  limit. NAME-server.socket holds the listening socket (--no-socket: none).
+launchd: the server plist's Sockets entry holds the listening socket.
 
 \b
 Example (server flags after --):
@@ -88,6 +89,11 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
 @click.option("--remote-shim-path", default=None,
               help="A distributed group: the hotfix shim folder on the other hosts "
                    "(default: the same path as --shim-dir).")
+@click.option("--socket/--no-socket", "listen_socket", default=True, show_default=True,
+              help="The service manager holds the server's listening socket (a systemd .socket "
+                   "unit, a launchd Sockets entry) and the server inherits it: connections "
+                   "wait while it restarts instead of being refused. --no-socket: the server "
+                   "binds its port itself. (Groups always bind on rank 0.)")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def install_command(manager: str, model: str, port: int, host: str, name: Optional[str],
                     python: Optional[str], watchdog_python: Optional[str],
@@ -95,7 +101,7 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
                     dry_run: bool, system: bool, user_name: Optional[str],
                     hostfile: Optional[str], group_hosts: Optional[str],
                     backend: Optional[str], remote_shim_path: Optional[str],
-                    server_args: Tuple[str, ...]) -> None:
+                    listen_socket: bool, server_args: Tuple[str, ...]) -> None:
     from . import execute, plan
 
     try:
@@ -105,6 +111,7 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
             output_dir=output_dir, dry_run=dry_run, system=system, user_name=user_name,
             server_args=server_args, hostfile=hostfile, group_hosts=group_hosts,
             group_backend=backend, remote_shim_path=remote_shim_path,
+            listen_socket=listen_socket,
         )
     except FlagError as exc:
         raise _flag_error(exc) from exc

@@ -15,7 +15,7 @@ import click
 from . import hostcheck
 from .backend import ServiceBackend, backend_for, default_layout
 from .instance import (FlagError, Instance, check_name, check_user_name, default_name,
-                       manifest_path)
+                       listen_address, manifest_path)
 from .manifest import Manifest, other_instances_on_port
 
 
@@ -64,7 +64,7 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
             user_name: Optional[str], server_args: Sequence[str],
             hostfile: Optional[str] = None, group_hosts: Optional[str] = None,
             group_backend: Optional[str] = None,
-            remote_shim_path: Optional[str] = None) -> Plan:
+            remote_shim_path: Optional[str] = None, listen_socket: bool = True) -> Plan:
     """Check every flag (FlagError names the first bad one) and plan the install."""
     backend = backend_for(manager)
     if system and not backend.supports_system:
@@ -125,6 +125,7 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
             python=server_python, watchdog_python=wd_python, shim_dir=shim_path,
             layout=layout, server_args=tuple(server_args), offline=offline, system=system,
             user_name=user_name, watchdog_launcher=hostcheck.watchdog_launcher(wd_python),
+            listen_socket=listen_socket,
         ),
         backend=backend, existing=existing, dry_run=dry_run, uid=uid,
         custom_dir=Path(layout.unit_dir) != standard.unit_dir,
@@ -141,4 +142,9 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
     if launch:
         plan = dataclasses.replace(plan, inst=dataclasses.replace(
             plan.inst, group_launch=launch, remote_shim_dir=remote_shim_path or shim_path))
+    if plan.inst.held_socket:
+        try:
+            listen_address(host)
+        except ValueError as exc:
+            raise FlagError("--host", str(exc)) from None
     return plan
