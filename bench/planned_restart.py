@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from bench.common import CLEANUP, FAULTS_DIR, Figure, build_model, fmt, table, temp_dir
-from harness.haproxy import ClientLoop, Outcome
+from harness.haproxy import ClientLoop, Outcome, StreamedAnswer
 from harness.procs import chat
-from harness.server import base_env, free_port, python_for, sse_events
+from harness.server import base_env, free_port, python_for
 from harness.watchdog_run import WatchdogProcess, wait_serving
 
 VERSION = "0.32.2"
@@ -52,25 +52,6 @@ def _add_arguments(parser):
                         help="planned restarts and deaths per arm [default: 5; --quick: 2]")
 
 
-class Streamed:
-    """A streamed completion read to its end, shaped like a response for
-    ClientLoop: json() fails unless the stream ended with [DONE]."""
-
-    def __init__(self, url: str):
-        response = chat(url, "tell me a story", max_tokens=30, timeout=LOAD_S, stream=True)
-        self.status_code, self.headers = response.status_code, response.headers
-        self.events = sse_events(response.content) if response.status_code == 200 else []
-
-    def json(self) -> dict:
-        if not self.events or self.events[-1] != "[DONE]":
-            raise ValueError("the stream was cut")
-        return {"choices": [self.events[-2]]}
-
-
-def refused(outcome: Outcome) -> bool:
-    return outcome.error is not None and "Connection refused" in outcome.error
-
-
 class Clients:
     """Two plain clients and one streaming, each one request after another."""
 
@@ -80,7 +61,8 @@ class Clients:
         self.loops = [
             ClientLoop(url, workers=2, timeout=LOAD_S, send=lambda: chat(
                 url, "tell me a story", max_tokens=30, timeout=LOAD_S)),
-            ClientLoop(url, workers=1, timeout=LOAD_S, send=lambda: Streamed(url)),
+            ClientLoop(url, workers=1, timeout=LOAD_S,
+                       send=lambda: StreamedAnswer(url, timeout=LOAD_S)),
         ]
         CLEANUP.add(self)
 
@@ -128,8 +110,8 @@ def _event(clients: Clients, trigger) -> Dict[str, object]:
     seen = clients.since(marks)
     return {
         "sent": len(seen),
-        "failed": len([o for o in seen if not o.ok and not refused(o)]),
-        "refused": len([o for o in seen if refused(o)]),
+        "failed": len([o for o in seen if not o.ok and not o.refused]),
+        "refused": len([o for o in seen if o.refused]),
         "longest_s": max((o.finished_at - o.sent_at for o in seen), default=None),
     }
 

@@ -26,28 +26,13 @@ from typing import List
 
 import pytest
 
-from harness.haproxy import ClientLoop, HAProxy
+from harness.haproxy import ClientLoop, HAProxy, StreamedAnswer
 from harness.procs import chat
-from harness.server import VERSIONS, base_env, free_port, sse_events
+from harness.server import VERSIONS, base_env, free_port
 from harness.watchdog_run import WatchdogProcess, wait_serving
 from tests.test_supervise_socket import FAST, LOAD_S, server_command, wait_ok_after
 
 pytestmark = pytest.mark.server
-
-
-class Streamed:
-    """A streamed completion read to its end, shaped like a response for
-    ClientLoop: json() fails unless the stream ended with [DONE]."""
-
-    def __init__(self, url: str):
-        response = chat(url, "tell me a story", max_tokens=30, timeout=LOAD_S, stream=True)
-        self.status_code, self.headers = response.status_code, response.headers
-        self.events = sse_events(response.content) if response.status_code == 200 else []
-
-    def json(self) -> dict:
-        if not self.events or self.events[-1] != "[DONE]":
-            raise ValueError(f"the stream was cut: {self.events[-2:]}")
-        return {"choices": [self.events[-2]]}
 
 
 @pytest.fixture
@@ -85,7 +70,8 @@ def test_rolling_restart_behind_haproxy_loses_no_request(running, tiny_llama, tm
         proxy.wait_status(name, "UP")
     loop = ClientLoop(proxy.url, workers=2, timeout=LOAD_S, send=lambda: chat(
         proxy.url, "tell me a story", max_tokens=30, timeout=LOAD_S))
-    streams = ClientLoop(proxy.url, workers=1, timeout=LOAD_S, send=lambda: Streamed(proxy.url))
+    streams = ClientLoop(proxy.url, workers=1, timeout=LOAD_S, send=lambda: StreamedAnswer(
+        proxy.url, timeout=LOAD_S))
     running += [loop, streams]
     loop.wait_count(lambda o: o.ok, 4, timeout=LOAD_S)
     streams.wait_count(lambda o: o.ok, 2, timeout=LOAD_S)

@@ -35,12 +35,8 @@ def server_command(version: str, model: Path, port: int) -> List[str]:
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def refused(outcome: Outcome) -> bool:
-    return outcome.error is not None and "Connection refused" in outcome.error
-
-
 def failed(outcome: Outcome) -> bool:
-    return not outcome.ok and not refused(outcome)
+    return not outcome.ok and not outcome.refused
 
 
 @pytest.fixture
@@ -111,7 +107,7 @@ def test_nothing_is_refused_or_failed_across_planned_restarts_with_the_held_sock
     finally:
         loop.stop(timeout=LOAD_S)
     outcomes = list(loop.outcomes)
-    assert not [o for o in outcomes if refused(o)], [o for o in outcomes if refused(o)]
+    assert not [o for o in outcomes if o.refused], [o for o in outcomes if o.refused]
     assert not [o for o in planned_outcomes if failed(o)], [o for o in planned_outcomes
                                                            if failed(o)]
     # The death fails the request in flight when it strikes, and only that one.
@@ -142,5 +138,5 @@ def test_without_the_held_socket_a_restart_refuses_connections(supervisors, tiny
         wait_ok_after(loop, len(loop.outcomes), 2)
     finally:
         loop.stop(timeout=LOAD_S)
-    assert [o for o in loop.outcomes if refused(o)], loop.outcomes[-20:]
+    assert [o for o in loop.outcomes if o.refused], loop.outcomes[-20:]
     assert sup.terminate() == 0
