@@ -44,7 +44,8 @@ def _launchd_server(out: Path):
     (plist_path,) = [p for p in out.glob("*.plist") if p.name.endswith(".server.plist")]
     plist = plistlib.loads(plist_path.read_bytes())
     env = dict(plist["EnvironmentVariables"])
-    assert env.pop("MLX_HOTFIX_LAUNCHD_SOCKET") in plist["Sockets"]  # no launchd here
+    if "Sockets" in plist:  # no launchd here to hold it (a group has none)
+        assert env.pop("MLX_HOTFIX_LAUNCHD_SOCKET") in plist["Sockets"]
     return plist["ProgramArguments"], env
 
 
@@ -58,8 +59,12 @@ def _systemd_server(out: Path):
             for assignment in shlex.split(line[len("Environment="):]):
                 key, _, value = assignment.partition("=")
                 env[key] = value
-    # Started as systemd starts it with its .socket unit: by a socket-passing launcher.
-    (socket_unit,) = out.glob("*-server.socket")
+    # Started as systemd starts it with its .socket unit: by a socket-passing
+    # launcher (a group has no socket unit).
+    socket_units = list(out.glob("*-server.socket"))
+    if not socket_units:
+        return argv, env
+    (socket_unit,) = socket_units
     (listen,) = [line.split("=", 1)[1] for line in socket_unit.read_text().splitlines()
                  if line.startswith("ListenStream=")]
     activate = shutil.which("systemd-socket-activate")
