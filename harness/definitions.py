@@ -24,3 +24,19 @@ def read_definition(path: Path) -> Tuple[Optional[List[str]], Dict[str, str]]:
                 key, _, value = assignment.partition("=")
                 env[key] = value
     return argv, env
+
+
+LAUNCHD_SOCKET_ENV = "MLX_HOTFIX_LAUNCHD_SOCKET"
+
+
+def without_launchd(path: Path) -> Tuple[Optional[List[str]], Dict[str, str]]:
+    """read_definition of a launchd plist, to run here, where no launchd holds
+    the job's Sockets entry: the shim would ask launchd for it
+    (MLX_HOTFIX_LAUNCHD_SOCKET) and exit, so that variable goes (after a check
+    that it names the entry) and the server binds its port itself."""
+    argv, env = read_definition(path)
+    env = dict(env)
+    sockets = plistlib.loads(path.read_bytes()).get("Sockets")
+    if sockets is not None:  # a group has none
+        assert env.pop(LAUNCHD_SOCKET_ENV) in sockets, (path, sockets)
+    return argv, env

@@ -111,6 +111,30 @@ class Outcome:
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
 
+    @property
+    def refused(self) -> bool:
+        """The connection was refused: nothing listened on the port."""
+        return self.error is not None and "Connection refused" in self.error
+
+
+class StreamedAnswer:
+    """A streamed completion read to its end, shaped like a response for
+    ClientLoop (its `send`): json() fails unless the stream ended with [DONE],
+    so a stream cut short, with or without an error event, counts as failed."""
+
+    def __init__(self, url: str, *, max_tokens: int = 30, timeout: float = 60):
+        from harness.server import sse_events
+
+        response = chat(url, "tell me a story", max_tokens=max_tokens, timeout=timeout,
+                        stream=True)
+        self.status_code, self.headers = response.status_code, response.headers
+        self.events = sse_events(response.content) if response.status_code == 200 else []
+
+    def json(self) -> dict:
+        if not self.events or self.events[-1] != "[DONE]":
+            raise ValueError(f"the stream was cut: {self.events[-2:]}")
+        return {"choices": [self.events[-2]]}
+
 
 class ClientLoop:
     """`workers` clients, each sending one completion after another through HAProxy."""

@@ -86,7 +86,7 @@ cmd = words[0] if words else ""
 if cmd in os.environ.get("FAKE_SYSTEMCTL_FAIL", "").split(","):
     sys.stderr.write(f"Failed to {cmd} unit: Access denied\n")
     sys.exit(1)
-if cmd in ("enable", "disable", "restart"):
+if cmd in ("enable", "disable", "restart", "cat"):
     unit_dir = os.environ["FAKE_SYSTEMD_UNIT_DIR"]
     for unit in words[1:]:
         path = unit if unit.startswith("/") else os.path.join(unit_dir, unit)
@@ -264,7 +264,12 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
         "MLX_HOTFIX_HEARTBEAT_FILE": str(heartbeat),
         "PYTHONUNBUFFERED": "1",
         "MLX_HOTFIX_INSTANCE": name,
+        "MLX_HOTFIX_LAUNCHD_SOCKET": "Listeners",  # the shim asks launchd for it
     }
+    # launchd holds the listening socket (launchd.plist(5) Sockets keys).
+    assert s["Sockets"] == {"Listeners": {"SockNodeName": "127.0.0.1",
+                                          "SockServiceName": str(port),
+                                          "SockType": "stream", "SockFamily": "IPv4"}}
     assert "NOTIFY_SOCKET" not in s["EnvironmentVariables"]
     assert "HF_HUB_OFFLINE" not in s["EnvironmentVariables"]
     assert s["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
@@ -444,11 +449,15 @@ def test_server_args_after_double_dash(env):
 def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
     port, name = env.installed("systemd")
     su, wu = f"{name}-server.service", f"{name}-watchdog.service"
+    ss = f"{name}-server.socket"
     assert env.calls() == [
         ["systemctl", "--user", "daemon-reload"],
-        ["systemctl", "--user", "enable", "--now", su, wu],
+        ["systemctl", "--user", "enable", "--now", ss, su, wu],
     ]
     server = (env.user_units / su).read_text()
+    assert f"Requires={ss}\n" in server and f"After={ss}\n" in server
+    held = (env.user_units / ss).read_text()
+    assert f"ListenStream=127.0.0.1:{port}\n" in held and f"Service={su}\n" in held
     state = env.home / ".local" / "state" / "mlx-watchdog"
     assert f"ExecStart={PYTHON} -m mlx_lm server --model {env.model} --host 127.0.0.1 " \
            f"--port {port}\n" in server
@@ -464,8 +473,8 @@ def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
     assert result.exit_code == 0, result.output
     assert env.calls() == [
         ["systemctl", "--user", "daemon-reload"],
-        ["systemctl", "--user", "enable", su, wu],
-        ["systemctl", "--user", "restart", su, wu],
+        ["systemctl", "--user", "enable", ss, su, wu],
+        ["systemctl", "--user", "restart", ss, su, wu],
     ]
     assert "Environment=HF_HUB_OFFLINE=1\n" in (env.user_units / su).read_text()
 
@@ -473,7 +482,8 @@ def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
     result = invoke(["uninstall", "systemd", "--name", name])
     assert result.exit_code == 0, result.output
     assert env.calls() == [
-        ["systemctl", "--user", "disable", "--now", wu, su],
+        ["systemctl", "--user", "cat", ss],
+        ["systemctl", "--user", "disable", "--now", wu, su, ss],
         ["systemctl", "--user", "daemon-reload"],
     ]
     assert tree(env.user_units) == ["other.service"]
@@ -483,8 +493,8 @@ def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
 @needs_verify
 def test_systemd_units_pass_verify(env, tmp_path):
     port, _ = env.installed("systemd")
-    units = sorted(env.user_units.glob("*.service"))
-    assert len(units) == 2
+    units = sorted(env.user_units.glob("*.service")) + sorted(env.user_units.glob("*.socket"))
+    assert len(units) == 3
     systemd_verify(tmp_path, units)
     systemd_verify(tmp_path, units, user=True)
 
@@ -532,8 +542,8 @@ def test_systemd_system_units(env, tmp_path):
     assert env.calls() == []
     name = f"mlx-{port}"
     assert "would run: systemctl daemon-reload" in result.output
-    assert f"would run: systemctl enable --now {out}/{name}-server.service " \
-           f"{out}/{name}-watchdog.service" in result.output
+    assert f"would run: systemctl enable --now {out}/{name}-server.socket " \
+           f"{out}/{name}-server.service {out}/{name}-watchdog.service" in result.output
     server = (out / f"{name}-server.service").read_text()
     watchdog = (out / f"{name}-watchdog.service").read_text()
     assert f"User={user}\n" in server
@@ -543,7 +553,8 @@ def test_systemd_system_units(env, tmp_path):
     assert "User=" not in watchdog  # root, so that it may restart a system unit
     cfg = tomllib.loads((out / f"{name}.toml").read_text())
     assert cfg["instances"][name]["restart"]["user"] is False
-    systemd_verify(tmp_path, [out / f"{name}-server.service", out / f"{name}-watchdog.service"])
+    systemd_verify(tmp_path, [out / f"{name}-server.service", out / f"{name}-watchdog.service",
+                              out / f"{name}-server.socket"])
 
 
 def test_systemd_system_install_in_custom_dir_enables_by_path(env, tmp_path, monkeypatch):
@@ -555,14 +566,16 @@ def test_systemd_system_install_in_custom_dir_enables_by_path(env, tmp_path, mon
     name = f"mlx-{port}"
     assert env.calls() == [
         ["systemctl", "daemon-reload"],
-        ["systemctl", "enable", "--now", str(out / f"{name}-server.service"),
-         str(out / f"{name}-watchdog.service")],
+        ["systemctl", "enable", "--now", str(out / f"{name}-server.socket"),
+         str(out / f"{name}-server.service"), str(out / f"{name}-watchdog.service")],
     ]
     result = invoke(["uninstall", "systemd", "--system", "--output-dir", str(out),
                      "--name", name])
     assert result.exit_code == 0, result.output
     assert env.calls() == [
-        ["systemctl", "disable", "--now", f"{name}-watchdog.service", f"{name}-server.service"],
+        ["systemctl", "cat", f"{name}-server.socket"],
+        ["systemctl", "disable", "--now", f"{name}-watchdog.service", f"{name}-server.service",
+         f"{name}-server.socket"],
         ["systemctl", "daemon-reload"],
     ]
     assert tree(out) == []
@@ -577,7 +590,7 @@ def test_systemd_enable_failure(env, monkeypatch):
     assert f"mlx-watchdog uninstall systemd --name {name}" in result.output
     assert [c[2] for c in env.calls()] == ["daemon-reload", "enable"]
     assert sorted(p.name for p in env.user_units.iterdir()) == [
-        f"{name}-server.service", f"{name}-watchdog.service"]
+        f"{name}-server.service", f"{name}-server.socket", f"{name}-watchdog.service"]
     # Fixed: re-running install completes it.
     env.installed("systemd", port=port)
     assert [c[2] for c in env.calls()] == ["daemon-reload", "enable", "restart"]
@@ -588,9 +601,40 @@ def test_systemd_disable_failure_removes_nothing(env, monkeypatch):
     env.calls()
     result = env.fails_at(monkeypatch, "disable", ["uninstall", "systemd", "--port", str(port)])
     assert "Nothing was removed" in result.output
-    assert [c[2] for c in env.calls()] == ["disable"]
+    assert [c[2] for c in env.calls()] == ["cat", "disable"]
     assert len(list(env.user_units.glob("*.service"))) == 2
     assert len(list(env.user_config.iterdir())) == 2
+
+
+def test_no_socket_keeps_the_servers_own_bind(env):
+    port, name = env.installed("systemd", "--no-socket")
+    assert env.calls()[1] == ["systemctl", "--user", "enable", "--now",
+                              f"{name}-server.service", f"{name}-watchdog.service"]
+    server = (env.user_units / f"{name}-server.service").read_text()
+    assert "Requires=" not in server and not (env.user_units / f"{name}-server.socket").exists()
+    lport, lname = env.installed("launchd", "--no-socket")
+    plist = load_plist(env.launch_agents / f"io.github.mlx-watchdog.{lname}.server.plist")
+    assert "Sockets" not in plist and "MLX_HOTFIX_LAUNCHD_SOCKET" not in \
+        plist["EnvironmentVariables"]
+
+
+def test_reinstalling_with_no_socket_removes_the_socket_unit(env):
+    port, name = env.installed("systemd")
+    env.calls()
+    assert env.install("systemd", "--no-socket", port=port).exit_code == 0
+    assert env.calls()[:2] == [
+        ["systemctl", "--user", "disable", "--now", f"{name}-server.socket"],
+        ["systemctl", "--user", "daemon-reload"]]
+    assert not (env.user_units / f"{name}-server.socket").exists()
+
+
+def test_the_held_socket_needs_an_address(env):
+    result = env.install("systemd", "--host", "localhost", port=free_port())
+    assert result.exit_code == 2
+    assert "'localhost' is a name" in result.output and "--no-socket" in result.output
+    port, name = env.installed("systemd", "--host", "::1")
+    held = (env.user_units / f"{name}-server.socket").read_text()
+    assert f"ListenStream=[::1]:{port}\n" in held
 
 
 def test_systemd_missing_systemctl(env, monkeypatch):

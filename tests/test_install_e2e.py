@@ -1,9 +1,14 @@
 """End to end: the exact command line and environment of a generated server
-definition, run as a process, is a shimmed stock server that serves."""
+definition, run as a process, is a shimmed stock server that serves. The
+systemd server runs under systemd-socket-activate with its .socket unit's
+ListenStream=, as systemd would start it: it serves on the inherited socket.
+(launchd's Sockets cannot be run here: test_install checks the entry, and
+test_shim_socket the shim's launch_activate_socket call.)"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.definitions import read_definition
+from harness.definitions import read_definition, without_launchd
 from harness.server import free_port, python_for
 
 pytestmark = pytest.mark.server
@@ -36,12 +41,25 @@ def _install(manager: str, tmp_path: Path, python: Path, model: Path, port: int)
 
 def _launchd_server(out: Path):
     (plist_path,) = [p for p in out.glob("*.plist") if p.name.endswith(".server.plist")]
-    return read_definition(plist_path)
+    return without_launchd(plist_path)
 
 
 def _systemd_server(out: Path):
     (unit,) = out.glob("*-server.service")
-    return read_definition(unit)
+    argv, env = read_definition(unit)
+    # Started as systemd starts it with its .socket unit: by a socket-passing
+    # launcher (a group has no socket unit).
+    socket_units = list(out.glob("*-server.socket"))
+    if not socket_units:
+        return argv, env
+    (socket_unit,) = socket_units
+    (listen,) = [line.split("=", 1)[1] for line in socket_unit.read_text().splitlines()
+                 if line.startswith("ListenStream=")]
+    activate = shutil.which("systemd-socket-activate")
+    if activate is None:
+        pytest.skip("systemd-socket-activate not installed (apt-get install systemd)")
+    launcher = [activate, "-l", listen] + [f"-E{k}={v}" for k, v in env.items()]
+    return launcher + argv, env
 
 
 def _serve(argv, definition_env, tmp_path: Path, port: int) -> str:
@@ -77,8 +95,11 @@ def test_generated_server_definition_runs_a_shimmed_server(envs, tiny_llama, tmp
     port = free_port()
     out = _install(manager, tmp_path, python_for(version), tiny_llama, port)
     argv, env = (_launchd_server if manager == "launchd" else _systemd_server)(out)
-    assert argv[:4] == [str(python_for(version)), "-m", "mlx_lm", "server"]
+    server = argv[argv.index(str(python_for(version))):]
+    assert server[:4] == [str(python_for(version)), "-m", "mlx_lm", "server"]
     assert env["HF_HUB_OFFLINE"] == "1"
     log = _serve(argv, env, tmp_path, port)
     status = [l for l in log.splitlines() if l.startswith(f"mlx-hotfix: mlx-lm {version}")]
     assert len(status) == 1 and "exit applied" in status[0], log
+    inherited = f"mlx-hotfix: serving on 127.0.0.1:{port}, the listening socket from systemd's"
+    assert (inherited in log) == (manager == "systemd"), log

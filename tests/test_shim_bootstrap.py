@@ -131,12 +131,13 @@ def test_a_user_sitecustomize_that_exits_still_exits(envs, tmp_path, user_site, 
 _NEW_PARTS = ("; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied; "
               "prompt_cache_bytes applied; extract applied; "
               "admission applied (max queue off, queue timeout off, request timeout off)")
+_DRAIN = "; drain applied (at most 25s); socket applied"
 EXPECTED_STATUS = {
     "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; heartbeat applied; extend applied; "
-               "advance applied" + _NEW_PARTS),
+               "advance applied" + _NEW_PARTS + _DRAIN),
     "0.32.2": ("mlx-lm 0.32.2, mlx 0.32.4; exit applied; heartbeat applied; extend skipped: "
                "PromptProcessingBatch.extend no longer pads logits processors with None "
-               "(fixed upstream in 0.32.0); advance applied" + _NEW_PARTS),
+               "(fixed upstream in 0.32.0); advance applied" + _NEW_PARTS + _DRAIN),
 }
 
 
@@ -162,9 +163,10 @@ def test_disable_list_and_unknown_names(envs):
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
         "known names: exit, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes, "
-        "extract, admission",
+        "extract, admission, drain, socket",
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
-        "advance disabled" + _NEW_PARTS,
+        "advance disabled" + _NEW_PARTS + "; drain skipped: needs the exit part (it answers "
+        "what is left when the drain ends); socket applied",
     ]
 
 

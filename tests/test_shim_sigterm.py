@@ -1,7 +1,9 @@
 """SIGTERM (a supervisor's restart, systemd's stop, mlx.launch stopping the
-other ranks of a group): with the shim every waiting client is answered 503
-(or a final SSE error event) before the process dies of the signal; stock
-resets them. Real stock servers, a long decode in flight."""
+other ranks of a group) without a drain (MLX_HOTFIX_DRAIN_TIMEOUT=0, which
+is also what a second SIGTERM, a SIGINT and a group get): with the shim every
+waiting client is answered 503 (or a final SSE error event) before the
+process dies of the signal; stock resets them. Real stock servers, a long
+decode in flight. The drain itself: test_shim_drain.py."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _decoding(server):
 @pytest.mark.parametrize("version", VERSIONS)
 def test_sigterm_answers_every_waiting_client_then_dies_of_the_signal(
         servers, tiny_llama, version):
-    server = servers(version, tiny_llama)
+    server = servers(version, tiny_llama, env={"MLX_HOTFIX_DRAIN_TIMEOUT": "0"})
     server.warm_up()
     plain, streamed = _long_request(server), _long_request(server, stream=True)
     _decoding(server)

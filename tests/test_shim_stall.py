@@ -24,9 +24,14 @@ pytestmark = pytest.mark.server
 STALL_S = 3  # short, for speed: the tiny model's single steps take milliseconds
 
 
-def health(server):
-    response = requests.get(f"{server.url}/health", timeout=10)
+def health(server, path="/health"):
+    response = requests.get(f"{server.url}{path}", timeout=10)
     return response.status_code, response.json()
+
+
+def live(server):
+    """/health/live: liveness, apart from /health's readiness."""
+    return health(server, "/health/live")
 
 
 def read(path):
@@ -64,6 +69,7 @@ def test_health_is_ok_idle_and_decoding_and_503_stalled_in_a_livelock(
     time.sleep(STALL_S + 1)  # idle for longer than the stall timeout: nobody waits
     status, body = health(server)
     assert (status, body["status"], body["in_flight"]) == (200, "ok", 0), body
+    assert live(server) == (200, {"status": "alive", "phase": "serving"})
 
     # A long healthy decode, longer than the stall timeout: 200 all through.
     answers = []
@@ -81,6 +87,8 @@ def test_health_is_ok_idle_and_decoding_and_503_stalled_in_a_livelock(
     status, body = wait_for(lambda: (lambda a: a if a[0] == 503 else None)(health(server)),
                             STALL_S + 30, "/health to say 503")
     assert body["status"] == "stalled" and body["in_flight"] >= 1, body
+    status, body = live(server)  # stalled: not worth keeping, whatever the loop does
+    assert status == 503 and body["status"] == "stalled", body
     beat = wait_for(lambda: (lambda b: b if b and b["phase"] == "stalled" else None)(
         read(beat_file)), 30, "the heartbeat to say stalled")
     assert beat["in_flight"] >= 1 and beat["pid"] == server.proc.pid
@@ -97,6 +105,26 @@ def test_health_says_loading_until_the_model_is_loaded(servers, tiny_llama, tmp_
     wait_for_log(server, "mlx-test-fault: hang at load")
     status, body = health(server)
     assert (status, body["status"]) == (503, "loading") and set(body) == {"status", "memory"}
+    # Not ready, but alive: a liveness probe must not kill a loading server.
+    assert live(server) == (200, {"status": "alive", "phase": "loading"})
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_liveness_says_503_once_the_generation_thread_is_dead(servers, tiny_llama, tmp_path,
+                                                            version):
+    # The exit part off, so that the dead server stays up to be asked.
+    arm = tmp_path / "arm"
+    env = dict(fault_env("raise:typeerror:decode", arm), MLX_HOTFIX_DISABLE="exit")
+    server = servers(version, tiny_llama, env=env)
+    server.warm_up()
+    assert live(server)[0] == 200
+    arm.touch()
+    BackgroundRequest(lambda: server.chat("this one dies", max_tokens=20, timeout=10))
+    wait_for_log(server, "mlx-test-fault: raise at decode")
+    status, body = wait_for(lambda: (lambda a: a if a[0] == 503 else None)(live(server)), 30,
+                            "/health/live to say 503")
+    assert body["status"] == "unavailable", body
+    assert server.alive()
 
 
 @pytest.mark.parametrize("version", VERSIONS)

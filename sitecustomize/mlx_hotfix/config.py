@@ -20,16 +20,21 @@ MLX_HOTFIX_MAX_QUEUE=N       at most N requests wait for a slot; more get 503 (d
 MLX_HOTFIX_QUEUE_TIMEOUT=S   a request waiting for a slot this long gets 503 (default: none)
 MLX_HOTFIX_REQUEST_TIMEOUT=S a request still generating this long after it came is cut
                              short, finish_reason "length" (default: none)
+MLX_HOTFIX_DRAIN_TIMEOUT=25  the first SIGTERM drains at most this long (0: answer at once)
+MLX_HOTFIX_LAUNCHD_SOCKET=N  serve on launchd's socket N of the job's Sockets (macOS)
 """
 
 import os
 
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "prompt_cache_bytes",
-         "extract", "admission")
+         "extract", "admission", "drain", "socket")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
 MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load too
+# Below the 30 s that launchd's ExitTimeOut, systemd's TimeoutStopSec and the
+# watchdog's stop grace give a stopping server before SIGKILL.
+DEFAULT_DRAIN_TIMEOUT = 25.0
 
 
 class Config:
@@ -68,6 +73,11 @@ class Config:
             environ, "MLX_HOTFIX_STALL_TIMEOUT", 300.0, float,
             lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",
         )
+        self.drain_timeout = self._number(
+            environ, "MLX_HOTFIX_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT, float,
+            lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
+        )
+        self.launchd_socket = environ.get("MLX_HOTFIX_LAUNCHD_SOCKET", "").strip() or None
         self.parent_pid = self._number(
             environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
         )

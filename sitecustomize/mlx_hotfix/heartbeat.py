@@ -484,6 +484,20 @@ def died(summary, during_startup):
         pass
 
 
+def undelivered_for(now):
+    """Seconds that requests have been waiting with nothing delivered (0.0
+    when none wait): the drain's no-progress rule reads it."""
+    if _in_flight <= 0:
+        return 0.0
+    return max(0.0, now - _progress_mono)
+
+
+def notify_status(text):
+    notifier = _systemd()
+    if notifier is not None:
+        notifier.status(text)
+
+
 def notify_stopping(text):
     notifier = _systemd()
     if notifier is not None:

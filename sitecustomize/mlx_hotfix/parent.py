@@ -37,8 +37,11 @@ def _watch(parent_pid, first_ppid):
         time.sleep(POLL_S)
     log.say("the supervisor (pid %d) is gone; exiting" % parent_pid)
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(10.0)  # a SIGTERM handler that does not exit
-    os._exit(config.current().exit_code)
+    # A SIGTERM handler that does not exit: wait out the drain and the
+    # answers it ends with (the drain part), then go anyway.
+    settings = config.current()
+    time.sleep(max(10.0, settings.drain_timeout + settings.exit_grace + 5.0))
+    os._exit(settings.exit_code)
 
 
 def watch_parent():

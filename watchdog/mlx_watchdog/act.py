@@ -24,6 +24,8 @@ from .process import (
     ProcessLocator,
     ProcessNotFound,
     ProcessTable,
+    drain_wait_s,
+    stop_draining,
     terminate_with_grace,
 )
 from .redact import printable, scrub
@@ -44,6 +46,15 @@ def run_command(argv: List[str], timeout: float) -> "subprocess.CompletedProcess
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, env=env
     )
+
+
+def restart_planned(action, reason: str) -> ActionResult:
+    """A planned restart through action: its restart_planned(reason) when it
+    has one (a drain first, no stacks), else its plain restart. A service
+    manager's restart (systemctl restart, launchctl kickstart -k) sends
+    SIGTERM and waits its stop timeout (30 s), which covers the drain."""
+    planned = getattr(action, "restart_planned", None)
+    return planned(reason) if planned is not None else action.restart(reason)
 
 
 class CommandRestart:
@@ -173,16 +184,22 @@ class SignalRestart:
         return f"SignalRestart({self.locator}, grace_s={self.grace_s:g})"
 
     def restart(self, reason: str) -> ActionResult:
+        return self._stop(lambda send, gone: terminate_with_grace(
+            send, gone, self.grace_s, kill_wait_s=5.0))
+
+    def restart_planned(self, reason: str) -> ActionResult:
+        """SIGTERM, up to the shim's drain (defaults.DRAIN_TIMEOUT_S plus a
+        margin) for the accepted requests to finish, then the normal stop."""
+        drain_s = drain_wait_s({})
+        return self._stop(lambda send, gone: stop_draining(send, gone, drain_s, self.grace_s))
+
+    def _stop(self, ladder) -> ActionResult:
         table = self.locator.table
         try:
             proc = self.locator.find()
             pid = proc.pid
-            outcome = terminate_with_grace(
-                lambda sig: _send(proc, sig),
-                lambda timeout: not table.wait_gone([proc], timeout),
-                self.grace_s,
-                kill_wait_s=5.0,
-            )
+            outcome = ladder(lambda sig: _send(proc, sig),
+                             lambda timeout: not table.wait_gone([proc], timeout))
             if outcome == TERMINATED:
                 return ActionResult(True, f"sent SIGTERM to pid {pid}; it exited")
             if outcome == SURVIVED:

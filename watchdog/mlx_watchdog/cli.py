@@ -23,6 +23,7 @@ _LAZY = {
     "supervise": ("daemon_cli", "supervise_command"),
     "watch": ("daemon_cli", "watch_command"),
     "status": ("daemon_cli", "status_command"),
+    "restart": ("restart_cli", "restart_command"),
     "install": ("install.cli", "install_command"),
     "uninstall": ("install.cli", "uninstall_command"),
     "reports": ("reports_cli", "reports_command"),

@@ -13,6 +13,7 @@ from typing import Callable, Optional, Tuple
 import click
 
 from . import defaults
+from .control import control_dir
 from .log import FORMATS, Events, colour_wanted, setup_logging
 from .metrics import Metrics
 from .probe_cli import (  # noqa: F401 - probe_command is re-exported
@@ -169,6 +170,17 @@ def _daemon_options(f: Callable) -> Callable:
     "runtime's proxy, say).",
 )
 @click.option(
+    "--socket/--no-socket",
+    "hold_socket",
+    default=True,
+    show_default=True,
+    help="Bind the server's --host/--port here, once, and hand the listening socket to "
+    "every child (systemd's LISTEN_FDS protocol; the shim serves on it): connections that "
+    "arrive while the server restarts wait for the next one instead of being refused. "
+    "--no-socket: each child binds the port itself, as without mlx-watchdog. Off by itself "
+    "with --no-shim and for mlx.launch groups (rank 0 binds).",
+)
+@click.option(
     "--remote-shim-path",
     default=None,
     help="mlx.launch groups: the hotfix shim folder on the remote hosts, passed to their "
@@ -198,6 +210,7 @@ def supervise_command(
     restart_window: float,
     no_shim: bool,
     listener_check: bool,
+    hold_socket: bool,
     remote_shim_path: Optional[str],
     model: str,
     api_key: Optional[str],
@@ -214,6 +227,7 @@ def supervise_command(
     The child gets the hotfix shim and a heartbeat file; it is restarted when
     it exits (for any reason) or when the judge finds it wedged. A busy server
     is left alone. SIGTERM/SIGINT go to the child, then the supervisor exits 0.
+    `mlx-watchdog restart NAME` restarts it on purpose: it drains first.
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
@@ -265,6 +279,8 @@ def supervise_command(
             stop_grace=stop_grace,
             report_dir=report_dir,
         )
+        events = Events(name)
+        listen_socket = _held_socket(command, hold_socket, no_shim, group_command, events)
         supervisor = Supervisor(
             command,
             instance,
@@ -272,6 +288,8 @@ def supervise_command(
             heartbeat_file=Path(private) / "heartbeat.json",
             shim=not no_shim,
             listener_check=listener_check,
+            listen_socket=listen_socket,
+            control=control_dir(state.path),
             metrics=metrics,
             state=state,
         )
@@ -328,7 +346,8 @@ def watch_command(
     state = StateStore(state_file or config.state_file or default_state_path())
     monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}
     Events().info("watch", f"watching {len(names)} instance(s): {', '.join(names)}")
-    raise SystemExit(Watcher(monitors, {i.name: i.interval for i in config.instances}).run())
+    intervals = {i.name: i.interval for i in config.instances}
+    raise SystemExit(Watcher(monitors, intervals, control=control_dir(state.path)).run())
 
 
 @click.command("status")
@@ -460,6 +479,44 @@ def _check_name(name: Optional[str]) -> Optional[str]:
     if name is not None and name_problem(name):
         raise click.BadParameter(f"'{printable(name)}': {name_problem(name)}")
     return name
+
+
+def _held_socket(command, wanted: bool, no_shim: bool, group_command, events: Events):
+    """The listening socket supervise holds for its children, or None (said why)."""
+    from . import held_socket
+    from .urls import bind_host, url_from_command
+
+    if not wanted:
+        return None
+    if no_shim:
+        events.info("socket", "no held socket: without the shim the server cannot take one "
+                              "(it binds its port itself)")
+        return None
+    if group_command is not None:
+        events.info("socket", "no held socket: rank 0 of an mlx.launch group binds its port "
+                              "itself (the launcher starts the ranks)")
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url_from_command(command)).port
+    except ValueError:
+        port = None
+    if port is None:
+        events.info("socket", "no held socket: the server's port cannot be read from its "
+                              "command (it binds its port itself)")
+        return None
+    host = bind_host(command)
+    try:
+        sock = held_socket.bind(host, port)
+    except OSError as exc:
+        shown = f"[{host}]" if ":" in host else host
+        raise click.ClickException(
+            f"cannot listen on {shown}:{port} for the server: {exc.strerror or exc} (is another "
+            "server on that port? --no-socket lets each server bind it itself)") from None
+    events.info("socket", f"holding {held_socket.describe(sock)} for the server: connections "
+                          "wait there while it restarts")
+    return sock
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

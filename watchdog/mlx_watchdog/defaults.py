@@ -36,6 +36,12 @@ MAX_BUSY_S = 600.0  # busy without any successful probe for this long => wedged
 # process holding a large wired model on macOS has been reported to leak the
 # wired memory until reboot, while SIGTERM released it (jundot/omlx #2184).
 STOP_GRACE_S = 30.0
+# A planned restart (`mlx-watchdog restart`) sends SIGTERM and waits this
+# long for the shim's drain (MLX_HOTFIX_DRAIN_TIMEOUT, the shim's default)
+# plus a margin, then goes on as a normal stop (SIGTERM again, the grace, SIGKILL).
+DRAIN_TIMEOUT_S = 25.0
+DRAIN_TIMEOUT_ENV = "MLX_HOTFIX_DRAIN_TIMEOUT"  # read by the hotfix shim
+DRAIN_MARGIN_S = 5.0
 STACKS_WAIT_S = 2.0  # after SIGUSR1, wait this long for the server's stacks file
 ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
 BACKOFF_INITIAL_S = 1.0

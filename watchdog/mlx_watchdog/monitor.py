@@ -8,12 +8,14 @@ monitors; everything a tick touches is injected, so tests drive it with fakes.
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional, Protocol
+from typing import Any, Callable, Deque, Dict, Optional, Protocol, Tuple
 
-from .act import ActionResult
+from .act import ActionResult, restart_planned
 from .policy import RestartPolicy
 from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import judge as judge_module
@@ -26,13 +28,19 @@ from .redact import redact_url
 from .state import StateStore
 from .throughput import ReportWatcher, ThroughputTracker
 
+# A restart nothing was wrong for (`mlx-watchdog restart`; later the memory
+# guard): the server drains first; counted apart from the judge's causes.
+PLANNED = "planned"
+
 # Restart causes whose counters exist (at zero) from the start.
 RESTART_CAUSES = tuple(
     getattr(judge_module, name)
     for name in ("NOT_RUNNING", "UNREACHABLE_CAUSE", "DEAD_THREAD", "HEARTBEAT_STALE",
                  "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED_CAUSE")
     if isinstance(getattr(judge_module, name, None), str)
-)
+) + (PLANNED,)
+
+PlannedDone = Callable[[ActionResult], None]
 
 
 class RestartAction(Protocol):
@@ -118,6 +126,11 @@ class Monitor:
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
+        # Planned restarts asked for from other threads (control.py), done by tick().
+        self._planned: Deque[Tuple[str, str, Optional[PlannedDone]]] = collections.deque()
+        self._planned_lock = threading.Lock()
+        # Set by whatever runs the ticks: cut its sleep short (a planned restart waits).
+        self.wake: Callable[[], None] = lambda: None
 
     def started(self) -> None:
         """The server (re)started outside of a restart by this monitor."""
@@ -125,7 +138,52 @@ class Monitor:
         self._forget()
         self.report(Verdict(STARTING, "started"))
 
+    def request_planned_restart(self, reason: str, *, cause: str = PLANNED,
+                                done: Optional[PlannedDone] = None) -> None:
+        """From any thread: the next tick restarts the server on purpose
+        (planned_restart), then calls done(result)."""
+        with self._planned_lock:
+            self._planned.append((reason, cause, done))
+        self.wake()
+
+    def planned_restart(self, reason: str, *, cause: str = PLANNED) -> ActionResult:
+        """Restart a server nothing is known to be wrong with (an operator's
+        `mlx-watchdog restart`, a memory limit): it drains first (the action's
+        restart_planned: SIGTERM, the drain, then the normal stop), no stacks
+        are taken, and it is logged and counted apart (`cause`), outside the
+        backoff and the crash-loop count. The new server gets a boot grace."""
+        if self.action is None:
+            return ActionResult(False, "this instance is only watched: its config has no "
+                                       "restart action ([restart] type \"none\")")
+        self.events.info("restart", f"planned restart: {reason}", state=STARTING, cause=cause)
+        result = restart_planned(self.action, reason)
+        self.policy.started(self.clock())
+        self._forget()
+        self.restarts += 1
+        self._last_restart = {"time": self.wall_clock(), "cause": cause, "reason": reason,
+                              "ok": result.ok, "detail": result.detail}
+        if self.metrics is not None:
+            self.metrics.restarted(self.name, cause)
+        if result.ok:
+            self.events.info("restarted", result.detail)
+            self.report(Verdict(STARTING, f"planned restart: {reason}"))
+        else:
+            self.events.error("restart-failed", result.detail)
+            self.report(Verdict(STARTING, f"planned restart failed: {result.detail}"))
+        return result
+
+    def _next_planned(self) -> Optional[Tuple[str, str, Optional[PlannedDone]]]:
+        with self._planned_lock:
+            return self._planned.popleft() if self._planned else None
+
     def tick(self) -> Verdict:
+        planned = self._next_planned()
+        if planned is not None:
+            reason, cause, done = planned
+            result = self.planned_restart(reason, cause=cause)
+            if done is not None:
+                done(result)
+            return self.verdict or Verdict(STARTING, reason)
         exited = self._exited()
         if exited is not None:
             return self._tick_exited(exited)

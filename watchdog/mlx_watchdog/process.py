@@ -12,10 +12,11 @@ import re
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import psutil
 
+from . import defaults
 from .safefile import read_regular
 
 
@@ -161,6 +162,35 @@ def terminate_with_grace(
         return TERMINATED
     send(signal.SIGKILL)
     return KILLED if gone_within(kill_wait_s) else SURVIVED
+
+
+def stop_draining(
+    send: Callable[[int], None],
+    gone_within: Callable[[float], bool],
+    drain_s: float,
+    grace_s: float,
+) -> str:
+    """A planned stop: SIGTERM (the shim drains: accepted requests finish, no
+    new ones are taken), up to drain_s for the process to go; then the normal
+    ladder: SIGTERM again (the shim answers what is left at once), grace_s,
+    SIGKILL. Returns as terminate_with_grace."""
+    send(signal.SIGTERM)
+    if gone_within(drain_s):
+        return TERMINATED
+    return terminate_with_grace(send, gone_within, grace_s)
+
+
+def drain_wait_s(env: Mapping[str, str]) -> float:
+    """How long a planned stop waits for the drain: the shim's drain timeout
+    (as env sets it for the server, else its default) plus a margin."""
+    raw = (env.get(defaults.DRAIN_TIMEOUT_ENV) or "").strip()
+    try:
+        timeout = float(raw) if raw else defaults.DRAIN_TIMEOUT_S
+    except ValueError:
+        timeout = defaults.DRAIN_TIMEOUT_S  # the shim says so and uses its default too
+    if not 0 <= timeout <= 3600:  # the shim's own range; outside it, its default
+        timeout = defaults.DRAIN_TIMEOUT_S
+    return timeout + defaults.DRAIN_MARGIN_S
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,13 @@ exception, crash of the loop) its child goes with it; on Linux it gets SIGTERM
 when the supervisor dies, even by SIGKILL (PR_SET_PDEATHSIG); elsewhere the
 shim in it watches MLX_HOTFIX_PARENT_PID and exits when the supervisor is
 gone. A child that exits takes its process group with it (SIGTERM, then SIGKILL).
+
+The listening socket (held_socket.py): unless --no-socket, the supervisor
+binds the server's port itself and every child serves on that socket, so
+connections wait in its backlog while a child restarts instead of being
+refused. A planned restart (`mlx-watchdog restart NAME`, control.py) stops
+the child with a drain: SIGTERM, up to the shim's drain timeout plus a
+margin for the accepted requests to finish, then the normal stop.
 """
 
 from __future__ import annotations
@@ -27,16 +34,18 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, List, Mapping, Optional, Sequence
 
 import psutil
 
-from . import defaults, reports
+from . import defaults, held_socket, reports
 from .act import ActionResult
 from .compose import build_monitor
 from .config import InstanceConfig
@@ -48,8 +57,9 @@ from .log import LoopFailures
 from .metrics import Metrics
 from .monitor import ProcessEvidence
 from .probe import ProbeResult
+from .process import (CpuSampler, ProcessNotFound, ProcessSample, drain_wait_s, stop_draining,
+                      terminate_with_grace)
 from .redact import printable
-from .process import CpuSampler, ProcessNotFound, ProcessSample, terminate_with_grace
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
 from .wakeup import Wakeup
@@ -111,6 +121,15 @@ class Child:
         finally:
             self.signal_group(signal.SIGKILL)  # anything left in the group
 
+    def stop_draining(self, drain_s: float, grace_s: float) -> Optional[int]:
+        """A planned stop (process.stop_draining): SIGTERM, up to drain_s for
+        the shim's drain, then the normal stop; the exit code."""
+        try:
+            stop_draining(self.signal_group, self._exited_within, drain_s, grace_s)
+            return self.popen.poll()
+        finally:
+            self.signal_group(signal.SIGKILL)
+
     def end_group(self, grace_s: float) -> None:
         """The leader has exited: end what is left of its group (grandchildren).
         SIGTERM, SIGKILL after grace_s."""
@@ -156,12 +175,13 @@ PARENT_PID_ENV = "MLX_HOTFIX_PARENT_PID"  # the shim exits when this process is 
 SERVER_PREFIX = b"[server] "  # on every line of the child's output, in the watchdog's log
 
 
-def spawn(argv: List[str], env: Mapping[str, str]) -> Child:
+def spawn(argv: List[str], env: Mapping[str, str], pass_fds: Sequence[int] = ()) -> Child:
     """Start argv in a new session (its own process group); OSError if it cannot run.
 
     Its output (stdout and stderr, in order) goes to the watchdog's stderr,
     each line prefixed SERVER_PREFIX, so that the server's lines and the
-    watchdog's can be told apart in one log (a terminal, the journal)."""
+    watchdog's can be told apart in one log (a terminal, the journal).
+    pass_fds: descriptors the child inherits (the held listening socket)."""
     popen = subprocess.Popen(
         argv,
         env=dict(env),
@@ -170,6 +190,7 @@ def spawn(argv: List[str], env: Mapping[str, str]) -> Child:
         stderr=subprocess.STDOUT,
         start_new_session=True,
         preexec_fn=parent_death_signal(),
+        pass_fds=tuple(pass_fds),
     )
     threading.Thread(target=relay_output, args=(popen.stdout,), daemon=True,
                      name="mlx-watchdog-server-output").start()
@@ -273,6 +294,9 @@ class ChildRestart:
     def restart(self, reason: str) -> ActionResult:
         return self._supervisor.restart(reason)
 
+    def restart_planned(self, reason: str) -> ActionResult:
+        return self._supervisor.restart(reason, planned=True)
+
 
 class Supervisor:
     """Runs command as its child and keeps it serving.
@@ -292,7 +316,9 @@ class Supervisor:
         shim: bool = True,  # the child runs with the hotfix shim (for messages)
         listener_check: bool = True,  # the child must hold the URL's listening port
         stacks_wait_s: float = defaults.STACKS_WAIT_S,
-        spawn: Callable[[List[str], Mapping[str, str]], Child] = spawn,
+        listen_socket: Optional[socket.socket] = None,  # held across children (held_socket.py)
+        control: "Optional[os.PathLike[str]]" = None,  # the folder `restart NAME` writes to
+        spawn: Callable[..., Child] = spawn,
         process: Optional[ProcessEvidence] = None,  # tests: CPU evidence instead of psutil's
         probe: Optional[Callable[[], ProbeResult]] = None,  # tests: instead of probing the URL
         policy: Optional[RestartPolicy] = None,  # tests: instead of the instance's
@@ -316,6 +342,9 @@ class Supervisor:
         self.env[defaults.INSTANCE_ENV] = instance.name  # the shim's reports name it
         self.interval_s = instance.interval
         self.stop_grace_s = instance.stop_grace
+        self.listen_socket = listen_socket
+        self.drain_wait_s = drain_wait_s(self.env)
+        self.control = control
         self.report_dir = reports.report_dir(instance.report_dir)
         self.stacks_wait_s = stacks_wait_s
         self.last_report: Optional[str] = None
@@ -346,6 +375,7 @@ class Supervisor:
             expect_shim=shim and heartbeat_file is not None,
         )
         self.events = self.monitor.events
+        self.monitor.wake = self._wakeup.wake  # a planned restart is done at once
 
     def child_pid(self) -> Optional[int]:
         """The pid of the running child, for evidence that must be its own."""
@@ -385,16 +415,28 @@ class Supervisor:
             self.child = None
         return self._exit
 
-    def restart(self, reason: str) -> ActionResult:
-        """Stop the child (if any), start a new one (ChildRestart)."""
+    def restart(self, reason: str, *, planned: bool = False) -> ActionResult:
+        """Stop the child (if any), start a new one (ChildRestart).
+
+        planned: nothing is wrong with the child, so no stacks and no report;
+        it drains first (Child.stop_draining) instead of a plain stop."""
         if self._stopping:
             return ActionResult(False, "the supervisor is shutting down")
+        stopped = ""
         if self.child is not None:
-            self._capture_stacks(reason)
-            pid, code = self.child.pid, self.child.stop(self.stop_grace_s)
+            pid = self.child.pid
+            if planned:
+                code = self.child.stop_draining(self.drain_wait_s, self.stop_grace_s)
+            else:
+                self._capture_stacks(reason)
+                code = self.child.stop(self.stop_grace_s)
             self.child = None
-            self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
-        return self._spawn_child()
+            stopped = f"pid {pid} {describe_exit(code, self.shim)}"
+            self.events.info("stopped", stopped)
+        result = self._spawn_child()
+        if result.ok and stopped:
+            return ActionResult(True, f"{stopped}; {result.detail}")
+        return result
 
     def _capture_stacks(self, reason: str) -> None:
         """SIGUSR1 to the child's processes (those with the shim's stacks
@@ -427,7 +469,12 @@ class Supervisor:
             # A heartbeat left by the previous child (any rank) would look stale.
             clear_heartbeats(self.heartbeat_file)
         try:
-            self.child = self._spawn(self.command, self.env)
+            if self.listen_socket is not None:
+                fd = self.listen_socket.fileno()
+                argv = held_socket.command(self.command, fd, self.env)
+                self.child = self._spawn(argv, self.env, pass_fds=(fd,))
+            else:
+                self.child = self._spawn(self.command, self.env)
         except OSError as exc:
             return ActionResult(False, f"cannot run {self.command[0]!r}: {exc.strerror or exc}")
         return ActionResult(True, f"started pid {self.child.pid}")
@@ -475,6 +522,13 @@ class Supervisor:
             )
         atexit.register(self._kill_child)  # even if the loop itself breaks
         failures = LoopFailures(self.events, "tick-error", "a tick failed; supervising goes on")
+        poller = None
+        if self.control is not None:
+            from .control import ControlPoller
+
+            poller = ControlPoller(Path(self.control), {self.monitor.name: self.monitor},
+                                   self.events)
+            poller.start()
         try:
             self.start()
             while not self._stopping:
@@ -489,6 +543,8 @@ class Supervisor:
                 if not self._stopping:
                     self._wakeup.sleep(interval - (self._clock() - began))
         finally:
+            if poller is not None:
+                poller.stop()
             try:
                 self.shutdown()
             finally:

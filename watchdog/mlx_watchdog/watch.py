@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
@@ -23,6 +24,7 @@ from .act import (
     LaunchdRestart,
     SignalRestart,
     SystemdRestart,
+    restart_planned,
 )
 from .config import InstanceConfig, RestartConfig
 from .heartbeat import Heartbeat, read_heartbeat
@@ -77,6 +79,10 @@ class StacksFirst:
         if root is not None:
             pids.append(root)
         return pids
+
+    def restart_planned(self, reason: str) -> ActionResult:
+        """A planned restart: nothing is wrong, so no stacks; the action drains."""
+        return restart_planned(self.action, reason)
 
     def restart(self, reason: str) -> ActionResult:
         try:
@@ -180,10 +186,16 @@ def _with_stacks(instance: InstanceConfig, locator: Optional[ProcessLocator]):
 class Watcher:
     """Runs monitors, each every `interval` seconds, until stopped."""
 
-    def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float]):
+    def __init__(self, monitors: Dict[str, Monitor], intervals: Dict[str, float],
+                 control: Optional[Path] = None):
         self.monitors = monitors
         self.intervals = intervals
+        self.control = control  # the folder `mlx-watchdog restart` writes to (control.py)
         self._stop = threading.Event()  # for the monitor threads
+        # One per monitor: its sleep ends early (stop, a planned restart).
+        self._wakes = {name: threading.Event() for name in monitors}
+        for name, monitor in monitors.items():
+            monitor.wake = self._wakes[name].set
         self._stopping = False  # set by signal handlers: no locks there (wakeup.py)
         self._wakeup = Wakeup()
 
@@ -199,10 +211,17 @@ class Watcher:
                 previous[sig] = signal.signal(sig, self.request_stop)
             self._wakeup.wake_on_signals()  # even one taken by a monitor thread
         threads: List[threading.Thread] = []
+        poller = None
         try:
+            if self.control is not None:
+                from .control import ControlPoller
+
+                poller = ControlPoller(self.control, self.monitors)
+                poller.start()
             for name, monitor in self.monitors.items():
                 thread = threading.Thread(
-                    target=self._loop, args=(monitor, self.intervals[name]), name=name, daemon=True
+                    target=self._loop, args=(name, monitor, self.intervals[name]), name=name,
+                    daemon=True
                 )
                 thread.start()
                 threads.append(thread)
@@ -210,6 +229,10 @@ class Watcher:
                 self._wakeup.sleep(3600)
         finally:
             self._stop.set()
+            for wake in self._wakes.values():
+                wake.set()
+            if poller is not None:
+                poller.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._wakeup.close()
@@ -220,9 +243,10 @@ class Watcher:
             store.stopped("the watchdog stopped (the server may still run, unwatched)")
         return 0
 
-    def _loop(self, monitor: Monitor, interval: float) -> None:
+    def _loop(self, name: str, monitor: Monitor, interval: float) -> None:
         # Nothing may end this thread but the stop: a monitor whose thread
         # died would leave its server unwatched, without a word.
+        wake = self._wakes[name]
         failures = LoopFailures(monitor.events, "error", "tick failed; watching goes on")
         started = False
         while not self._stop.is_set():
@@ -235,4 +259,5 @@ class Watcher:
                 failures.ok()
             except Exception:  # noqa: BLE001 - a bug in one monitor must not silence the others
                 failures.failed()
-            self._stop.wait(max(0.0, interval - (time.monotonic() - began)))
+            wake.wait(max(0.0, interval - (time.monotonic() - began)))
+            wake.clear()

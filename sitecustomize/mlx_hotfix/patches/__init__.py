@@ -29,14 +29,21 @@ import sys
 
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
-from . import (admission, advance, disconnect, exit_on_death, extend, extract, heartbeat,
-               prompt_cache_bytes, recover)
+from . import (admission, advance, disconnect, drain, exit_on_death, extend, extract, heartbeat,
+               held_socket, prompt_cache_bytes, recover)
 
-# Applied in this order; each wraps what the ones before it wrapped. admission
-# comes last, outermost: a request waits in its line before any other part
-# (or stock) sees it.
+# Applied in this order; each wraps what the ones before it wrapped.
+# - admission wraps a request outside every part but drain: a request waits
+#   in its line before any other part (or stock) sees it.
+# - drain comes after exit (it needs the exit part's stop) and heartbeat (it
+#   wraps /health outside), and outside admission: a request accepted before
+#   the SIGTERM is counted by the drain while it waits in admission's line
+#   too, and finishes; a new one gets the drain's 503 at once, never a place
+#   in the line first.
+# - socket only replaces the listener's bind (no request passes it): its
+#   place is free.
 PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes,
-           extract, admission)
+           extract, admission, drain, held_socket)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"

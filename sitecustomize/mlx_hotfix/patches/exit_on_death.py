@@ -468,20 +468,49 @@ def apply(server):
     _answer_on_sigterm()
 
 
+# The drain part (patches/drain.py) takes the first SIGTERM when it is on:
+# stop_hook(signum) -> True when it began a drain (it stops the server itself
+# once the accepted requests are done); False to stop at once, as below.
+stop_hook = None
+
+
 def _answer_on_sigterm():
-    """Stock dies of SIGTERM at once, resetting every waiting client. Only
-    where nobody else handles it, and only from the main thread (signals)."""
+    """Stock dies of SIGTERM at once, and of SIGINT (KeyboardInterrupt) with
+    its clients cut off; either way every waiting client is reset. Here both
+    answer every waiting client first. Only where nobody else handles them,
+    and only from the main thread (signals)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return
+    handled = [sig for sig, default in ((signal.SIGTERM, signal.SIG_DFL),
+                                        (signal.SIGINT, signal.default_int_handler))
+               if signal.getsignal(sig) is default]
 
-    def on_sigterm(signum, frame):
-        # Once only: a second SIGTERM kills at once, as stock. The drain runs
-        # on a thread, not in the handler: it waits on locks that the frame
-        # this handler interrupted could hold.
-        signal.signal(signum, signal.SIG_DFL)
+    def on_stop_signal(signum, frame):
+        hook = stop_hook
+        if signum == signal.SIGTERM and hook is not None and hook(signum):
+            # Draining. The next stop signal, or the drain's own once it has
+            # answered, comes to on_next_signal.
+            for sig in handled:
+                signal.signal(sig, on_next_signal)
+            return
+        stop_now(signum)
+
+    def on_next_signal(signum, frame):
+        if lifeline.dead:  # the answers are out, or going out: die as asked
+            for sig in handled:
+                signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop_now(signum)  # a second SIGTERM or a SIGINT while draining
+
+    def stop_now(signum):
+        # Once only: the next stop signal kills at once, as stock. The
+        # answering runs on a thread, not in the handler: it waits on locks
+        # that the frame this handler interrupted could hold.
+        for sig in handled:
+            signal.signal(sig, signal.SIG_DFL)
         threading.Thread(target=lifeline.stop_serving, args=(signum,),
                          name="mlx-hotfix-stop", daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in handled:
+        signal.signal(sig, on_stop_signal)

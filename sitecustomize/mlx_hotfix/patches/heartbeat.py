@@ -21,6 +21,11 @@ How (the mechanism is mlx_hotfix.heartbeat; this module only wires it):
   (a client that hangs up mid-stream is finished too).
 - ``APIHandler.handle_health_check``: 503 loading / 200 ok / 503 stalled /
   503 unavailable after a death (the ``exit`` part, when on, answers that).
+  That is readiness: whether to send this server requests.
+- ``APIHandler.do_GET``: ``/health/live``, liveness: 200 while the process is
+  worth keeping (loading, serving, busy, draining), 503 only when stalled or
+  after the generation thread died. A supervisor or a Kubernetes liveness
+  probe must not kill a server that is merely loading or draining.
 - A watchdog's probe (header ``X-MLX-Watchdog-Probe: 1``) is progress like
   any request, but stays out of the throughput counters (tokens, delivered,
   requests) and out of the server's log: its access line
@@ -229,19 +234,46 @@ def _wrap_health(original):
     return _wrap(original, handle_health_check, NAME)
 
 
+LIVENESS_PATH = "/health/live"
+
+
+def liveness(handler):
+    """(status, body) for /health/live."""
+    answer = heartbeat.health()
+    if answer is None or _generation_dead(handler):
+        return 503, {"status": "unavailable", "error": "generation thread died or stopping"}
+    status, body = answer
+    if body.get("status") == "stalled":
+        return 503, body
+    from .drain import draining
+
+    phase = "draining" if draining() else ("loading" if status == 503 else "serving")
+    return 200, {"status": "alive", "phase": phase}
+
+
+def _wrap_do_get(original):
+    def do_GET(self, *args, **kwargs):
+        if str(getattr(self, "path", "")).split("?", 1)[0] == LIVENESS_PATH:
+            status, body = liveness(self)
+            return send_json(self, status, body)
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, do_GET, NAME)
+
+
 def _wrap_server_activate(original):
     # HTTPServer binds in __init__ and then listens here: from now on the
     # server can take clients, which "serving" and READY=1 need.
     def server_activate(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if _serves_mlx_lm(self):
+        if serves_mlx_lm(self):
             heartbeat.listener_bound()
         return result
 
     return _wrap(original, server_activate, NAME)
 
 
-def _serves_mlx_lm(httpd):
+def serves_mlx_lm(httpd):
     """The listener's handler factory comes from mlx_lm's server.py (any launch form)."""
     factory = getattr(httpd, "RequestHandlerClass", None)
     code = getattr(factory, "__code__", None)
@@ -272,6 +304,8 @@ def apply(server):
         (handler, "handle_completion", _wrap_handle_completion(handler.handle_completion)),
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
     ]
+    if callable(getattr(handler, "do_GET", None)):
+        replacements.append((handler, "do_GET", _wrap_do_get(handler.do_GET)))
     for owner, name in loop_shapes.loop_hooks(server):
         method = getattr(owner, name)
         if owner is generator and name == "_next_request":

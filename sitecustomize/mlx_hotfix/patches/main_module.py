@@ -49,7 +49,7 @@ class _Namespace:
 def watch_for_server_as_main():
     if not _runs_server_as_main(getattr(sys, "orig_argv", [])):
         return
-    from . import exit_on_death, heartbeat, report_status, try_apply
+    from . import drain, exit_on_death, heartbeat, held_socket, report_status, try_apply
 
     original_build_class = builtins.__build_class__
 
@@ -62,7 +62,7 @@ def watch_for_server_as_main():
             ).endswith(_SERVER_FILE):
                 builtins.__build_class__ = original_build_class
                 namespace["APIHandler"] = cls
-                for patch in (exit_on_death, heartbeat):
+                for patch in (exit_on_death, heartbeat, drain, held_socket):
                     if config.current().enabled(patch.NAME):
                         try_apply(patch, _Namespace(namespace))
                 report_status()

@@ -43,14 +43,16 @@ launchd: ~/Library/LaunchAgents/io.github.mlx-watchdog.NAME.{{server,watchdog}}.
   throttle is its only storm control; it only delays a server that dies within
   {launchd.SERVER_THROTTLE_INTERVAL} s of its launch (a crash loop), not one that ran for
   hours. ProcessType Interactive keeps the server out of background (App
-  Nap-style) throttling.
+  Nap-style) throttling. The server plist's Sockets entry holds the
+  listening socket (--no-socket: none).
 systemd: ~/.config/systemd/user/NAME-{{server,watchdog}}.service (--system:
   /etc/systemd/system), logs in the journal. The server is Type=notify with
   WatchdogSec={systemd.WATCHDOG_SEC}, TimeoutStartSec={systemd.TIMEOUT_START_SEC},
   Restart=on-failure, RestartSec={systemd.RESTART_SEC}, and no start limit
   (StartLimitIntervalSec={systemd.START_LIMIT_INTERVAL_SEC}): it is never left failed
   for good; the watchdog backs its own restarts off ({d.BACKOFF_INITIAL_S:g} s doubling
-  to {d.BACKOFF_MAX_S:g} s).
+  to {d.BACKOFF_MAX_S:g} s). NAME-server.socket holds the listening socket
+  (--no-socket: none).
 
 \b
 Example (server flags after --):
@@ -134,6 +136,11 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
                "Seconds a server may look busy without answering (0: no limit).", zero=True)
 @_watch_option("--stop-grace", "stop_grace", "STOP_GRACE_S",
                "Seconds between SIGTERM and SIGKILL for the watchdog's restarts.", zero=True)
+@click.option("--socket/--no-socket", "listen_socket", default=True, show_default=True,
+              help="The service manager holds the server's listening socket (a systemd .socket "
+                   "unit, a launchd Sockets entry) and the server inherits it: connections "
+                   "wait while it restarts instead of being refused. --no-socket: the server "
+                   "binds its port itself. (Groups always bind on rank 0.)")
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def install_command(manager: str, model: str, port: int, host: str, name: Optional[str],
                     python: Optional[str], watchdog_python: Optional[str],
@@ -142,8 +149,8 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
                     hostfile: Optional[str], group_hosts: Optional[str],
                     backend: Optional[str], remote_shim_path: Optional[str],
                     server_env: Tuple[str, ...], metrics_port: Optional[int],
-                    metrics_host: Optional[str], server_args: Tuple[str, ...],
-                    **watch_settings: object) -> None:
+                    metrics_host: Optional[str], listen_socket: bool,
+                    server_args: Tuple[str, ...], **watch_settings: object) -> None:
     from . import execute, plan
 
     try:
@@ -155,6 +162,7 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
             output_dir=output_dir, dry_run=dry_run, system=system, user_name=user_name,
             server_args=server_args, hostfile=hostfile, group_hosts=group_hosts,
             group_backend=backend, remote_shim_path=remote_shim_path,
+            listen_socket=listen_socket,
         )
     except FlagError as exc:
         raise _flag_error(exc) from exc

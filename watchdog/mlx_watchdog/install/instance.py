@@ -10,6 +10,7 @@ running launchctl/systemctl is execute.py's.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,9 @@ class Instance:
     watch_settings: Tuple[Tuple[str, object], ...] = ()
     metrics_port: Optional[int] = None
     metrics_host: Optional[str] = None
+    #: The service manager holds the listening socket (a systemd .socket unit,
+    #: a launchd Sockets entry) and the server inherits it; --no-socket: off.
+    listen_socket: bool = True
 
     # ---- derived paths ----
     @property
@@ -150,6 +154,16 @@ class Instance:
     @property
     def url(self) -> str:
         return probe_url(self.host, self.port)
+
+    @property
+    def held_socket(self) -> bool:
+        """Whether the manager holds the socket: not for a group, whose rank 0
+        the launcher starts (it cannot inherit the manager's socket)."""
+        return self.listen_socket and not self.group_launch
+
+    def listen_address(self) -> Tuple[str, str]:
+        """(address, "IPv4" or "IPv6") of the held socket; ValueError for a host name."""
+        return listen_address(self.host)
 
     # ---- what runs ----
     @property
@@ -188,6 +202,22 @@ class Instance:
 
     def watchdog_env(self) -> Dict[str, str]:
         return {"PYTHONUNBUFFERED": "1"}
+
+
+def listen_address(host: str) -> Tuple[str, str]:
+    """(address, "IPv4" or "IPv6") for a held socket on host.
+
+    The service manager binds the socket, and neither systemd's ListenStream=
+    nor (reliably: one name may give two sockets) launchd's SockNodeName take
+    a host name: ValueError names the fix."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise ValueError(
+            f"{host!r} is a name, and the service manager that holds the listening socket "
+            "needs an address: give --host 127.0.0.1 (or the address it stands for), or "
+            "--no-socket to let the server bind it itself") from None
+    return str(address), f"IPv{address.version}"
 
 
 def manifest_path(layout: Layout, name: str) -> Path:

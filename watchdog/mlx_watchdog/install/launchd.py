@@ -25,6 +25,14 @@ Choices, and why:
   Background would throttle its timers and I/O, and the watchdog judges
   "busy vs wedged" from timing, so it must not be slowed down.
 - No NOTIFY_SOCKET: sd_notify is systemd's; the shim is a no-op without it.
+- Server Sockets (unless --no-socket): launchd binds --host:--port itself
+  (the "Listeners" entry) and keeps it across the server's restarts; the
+  shim takes it with launch_activate_socket("Listeners"), named to it by
+  MLX_HOTFIX_LAUNCHD_SOCKET, and serves on it, so connections wait in its
+  backlog while the server restarts instead of being refused. The keys are
+  launchd.plist(5)'s: SockNodeName, SockServiceName (the port, as a
+  string), SockType "stream", SockFamily "IPv4"/"IPv6" (one socket: the
+  shim serves exactly one). A group (mlx.launch) binds on rank 0.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
 SERVER_THROTTLE_INTERVAL = 30
+SOCKET_NAME = "Listeners"  # the Sockets key the shim asks launchd for
 # launchd's SIGTERM-to-SIGKILL time (default 20 s), raised to the watchdog's
 # stop grace: SIGKILL of a process holding a large wired model has been
 # reported to leak the wired memory until reboot (jundot/omlx #2184).
@@ -63,14 +72,28 @@ def plist_path(unit_dir: Path, label: str) -> Path:
 
 
 def server_plist(inst: Instance) -> dict:
+    env = inst.server_env()
+    sockets = {}
+    if inst.held_socket:
+        env["MLX_HOTFIX_LAUNCHD_SOCKET"] = SOCKET_NAME
+        sockets["Sockets"] = {SOCKET_NAME: socket_entry(inst)}
     return _job(
-        inst, server_label(inst.name), inst.server_argv(), inst.server_env(), inst.name,
+        inst, server_label(inst.name), inst.server_argv(), env, inst.name,
         KeepAlive={"SuccessfulExit": False, "Crashed": True},
         ThrottleInterval=SERVER_THROTTLE_INTERVAL,
-        # SIGTERM, then SIGKILL after this long: the watchdog's stop grace.
+        # SIGTERM (the shim drains, at most 25 s), then SIGKILL after this
+        # long: the watchdog's stop grace.
         ExitTimeOut=SERVER_EXIT_TIMEOUT,
         ProcessType="Interactive",
+        **sockets,
     )
+
+
+def socket_entry(inst: Instance) -> dict:
+    """The Sockets entry of the server's listening socket (launchd.plist(5))."""
+    address, family = inst.listen_address()
+    return {"SockNodeName": address, "SockServiceName": str(inst.port), "SockType": "stream",
+            "SockFamily": family}
 
 
 def watchdog_plist(inst: Instance) -> dict:

@@ -18,7 +18,7 @@ from .. import defaults
 from . import hostcheck
 from .backend import ServiceBackend, backend_for, default_layout
 from .instance import (FlagError, Instance, check_name, check_user_name, default_name,
-                       manifest_path)
+                       listen_address, manifest_path)
 from .manifest import Manifest, other_instances_on_port
 
 
@@ -111,7 +111,8 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
             remote_shim_path: Optional[str] = None,
             server_env: Sequence[str] = (), metrics_port: Optional[int] = None,
             metrics_host: Optional[str] = None,
-            watch_settings: Optional[Mapping[str, object]] = None) -> Plan:
+            watch_settings: Optional[Mapping[str, object]] = None,
+            listen_socket: bool = True) -> Plan:
     """Check every flag (FlagError names the first bad one) and plan the install."""
     backend = backend_for(manager)
     if system and not backend.supports_system:
@@ -177,6 +178,7 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
             user_name=user_name, watchdog_launcher=hostcheck.watchdog_launcher(wd_python),
             server_extra_env=extra_env, metrics_port=metrics_port, metrics_host=metrics_host,
             watch_settings=tuple(sorted((watch_settings or {}).items())),
+            listen_socket=listen_socket,
         ),
         backend=backend, existing=existing, dry_run=dry_run, uid=uid,
         custom_dir=Path(layout.unit_dir) != standard.unit_dir,
@@ -193,4 +195,9 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
     if launch:
         plan = dataclasses.replace(plan, inst=dataclasses.replace(
             plan.inst, group_launch=launch, remote_shim_dir=remote_shim_path or shim_path))
+    if plan.inst.held_socket:
+        try:
+            listen_address(host)
+        except ValueError as exc:
+            raise FlagError("--host", str(exc)) from None
     return plan

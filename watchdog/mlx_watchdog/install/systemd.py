@@ -30,6 +30,14 @@ Choices, and why (also written as comments into the units):
 - The watchdog unit is Type=simple, Restart=always, and Wants=/After= the
   server, so `enable --now` starts both and the watchdog starts after the
   server is ready (or failed).
+- The listening socket (unless --no-socket): a NAME-server.socket unit holds
+  --host:--port and the server inherits it (LISTEN_FDS; the shim serves on
+  it), so while the server restarts connections wait in its backlog instead
+  of being refused. The server Requires= and is After= it. A stopped server
+  is started again by the next connection (socket activation): stop the
+  .socket unit too to keep it down. A group (mlx.launch) binds on rank 0.
+- TimeoutStopSec=30 is above the shim's drain (MLX_HOTFIX_DRAIN_TIMEOUT,
+  25 s): a stop or restart lets the accepted requests finish first.
 """
 
 from __future__ import annotations
@@ -63,8 +71,18 @@ def watchdog_unit_name(name: str) -> str:
     return f"{name}-watchdog.service"
 
 
+def socket_unit_name(name: str) -> str:
+    """The server's listening socket: same stem as the service it activates."""
+    return f"{name}-server.socket"
+
+
 def unit_names(name: str) -> List[str]:
     return [server_unit_name(name), watchdog_unit_name(name)]
+
+
+def enabled_units(name: str, held_socket: bool) -> List[str]:
+    """What install enables and starts: the socket first, when there is one."""
+    return ([socket_unit_name(name)] if held_socket else []) + unit_names(name)
 
 
 # ---- quoting (systemd.syntax(7), systemd.service(5) "Command lines") ----
@@ -157,6 +175,14 @@ def server_unit(inst: Instance) -> str:
     if inst.system:
         # The model may be downloaded at start-up.
         lines += ["Wants=network-online.target", "After=network-online.target"]
+    if inst.held_socket:
+        socket = socket_unit_name(inst.name)
+        lines += [
+            "# Serves on the listening socket of this unit, which outlives the server",
+            "# process: connections wait there while it restarts.",
+            f"Requires={socket}",
+            f"After={socket}",
+        ]
     lines += [
         "# Never failed for good: no start limit (the watchdog backs off its restarts).",
         f"StartLimitIntervalSec={START_LIMIT_INTERVAL_SEC}",
@@ -189,12 +215,39 @@ def server_unit(inst: Instance) -> str:
         "# Exit 70 (generation thread died), signals and time-outs restart.",
         "Restart=on-failure",
         f"RestartSec={RESTART_SEC}",
-        "# SIGTERM, then SIGKILL after this long: SIGKILL of a large wired model",
-        "# has been reported to leak its memory (jundot/omlx #2184).",
+        "# SIGTERM (the shim drains: accepted requests finish, at most 25 s), then",
+        "# SIGKILL after this long: SIGKILL of a large wired model has been",
+        "# reported to leak its memory (jundot/omlx #2184).",
         f"TimeoutStopSec={TIMEOUT_STOP_SEC}",
         "",
         "[Install]",
         f"WantedBy={_wanted_by(inst)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def listen_stream(inst: Instance) -> str:
+    """ListenStream=: ADDRESS:PORT, an IPv6 address in brackets."""
+    address, family = inst.listen_address()
+    return f"[{address}]:{inst.port}" if family == "IPv6" else f"{address}:{inst.port}"
+
+
+def socket_unit(inst: Instance) -> str:
+    lines = _header(inst) + [
+        "",
+        "[Unit]",
+        "Description=" + escape_specifiers(
+            f"listening socket of mlx_lm.server {inst.name} on {inst.url}, held across "
+            "restarts"),
+        "",
+        "[Socket]",
+        "# The server inherits this socket (LISTEN_FDS) instead of binding the port;",
+        "# while it restarts, new connections wait in the backlog for the next one.",
+        f"ListenStream={listen_stream(inst)}",
+        f"Service={server_unit_name(inst.name)}",
+        "",
+        "[Install]",
+        "WantedBy=sockets.target",
     ]
     return "\n".join(lines) + "\n"
 
@@ -236,11 +289,15 @@ def restart_action(inst: Instance) -> Dict[str, object]:
 def render(inst: Instance) -> Dict[Path, bytes]:
     """All files for one instance: {absolute path: content}."""
     unit_dir = inst.layout.unit_dir
-    return {
+    files = {}
+    if inst.held_socket:
+        files[unit_dir / socket_unit_name(inst.name)] = socket_unit(inst).encode()
+    files.update({
         unit_dir / server_unit_name(inst.name): server_unit(inst).encode(),
         unit_dir / watchdog_unit_name(inst.name): watchdog_unit(inst).encode(),
         inst.config_path: watchdog_config_toml(inst, restart_action(inst)).encode(),
-    }
+    })
+    return files
 
 
 # ---- systemctl command lines ----
@@ -250,23 +307,27 @@ def systemctl(system: bool) -> List[str]:
 
 
 def install_argvs(name: str, *, system: bool, reinstall: bool,
-                  unit_paths: Optional[Sequence[Path]] = None) -> List[List[str]]:
+                  unit_paths: Optional[Sequence[Path]] = None,
+                  held_socket: bool = False) -> List[List[str]]:
     """daemon-reload, then enable and start (or restart, when updating).
 
     unit_paths: when the units are not in a directory systemd searches (a
     custom --output-dir), enable them by path, which links them in first.
+    held_socket: the server's .socket unit too (first).
     """
     base = systemctl(system)
-    units = unit_names(name)
+    units = enabled_units(name, held_socket)
     targets = [str(p) for p in unit_paths] if unit_paths else units
     if reinstall:
         return [base + ["daemon-reload"], base + ["enable"] + targets, base + ["restart"] + units]
     return [base + ["daemon-reload"], base + ["enable", "--now"] + targets]
 
 
-def disable_argv(name: str, *, system: bool) -> List[str]:
-    # Watchdog first, so that it does not restart the server being stopped.
-    return systemctl(system) + ["disable", "--now"] + list(reversed(unit_names(name)))
+def disable_argv(name: str, *, system: bool, held_socket: bool = False) -> List[str]:
+    # Watchdog first, so that it does not restart the server being stopped
+    # (and the socket with them: it would start the server again).
+    return systemctl(system) + ["disable", "--now"] + list(
+        reversed(enabled_units(name, held_socket)))
 
 
 def daemon_reload_argv(system: bool) -> List[str]:
@@ -284,7 +345,8 @@ class SystemdBackend:
         return unit_names(name)
 
     def definition_paths(self, unit_dir: Path, name: str) -> List[Path]:
-        return [Path(unit_dir) / unit for unit in unit_names(name)]
+        # The socket unit last: uninstall removes it when an install wrote it.
+        return [Path(unit_dir) / unit for unit in unit_names(name) + [socket_unit_name(name)]]
 
     def standard_layout(self, *, home: Path, system: bool,
                         environ: Mapping[str, str]) -> Layout:
@@ -301,18 +363,28 @@ class SystemdBackend:
 
     def load(self, plan: "Plan", runner: "Runner") -> None:
         inst = plan.inst
-        unit_paths = (self.definition_paths(inst.layout.unit_dir, inst.name)
+        unit_dir = inst.layout.unit_dir
+        unit_paths = ([unit_dir / unit for unit in enabled_units(inst.name, inst.held_socket)]
                       if plan.custom_dir else None)
+        stale_socket = unit_dir / socket_unit_name(inst.name)
+        if plan.reinstall and not inst.held_socket and stale_socket.exists():
+            # Re-installed with --no-socket: the old socket would still hold the port.
+            runner.step(systemctl(inst.system) + ["disable", "--now",
+                                                  socket_unit_name(inst.name)])
+            if not runner.dry_run:
+                stale_socket.unlink()
         for argv in install_argvs(inst.name, system=inst.system, reinstall=plan.reinstall,
-                                  unit_paths=unit_paths):
+                                  unit_paths=unit_paths, held_socket=inst.held_socket):
             runner.step(argv)
 
     def unload(self, name: str, *, system: bool, uid: int, runner: "Runner",
                definitions_present: bool) -> None:
         if not definitions_present:
             return  # nothing of ours to stop: disable would fail on unknown units
+        socket = socket_unit_name(name)
+        held = runner.dry_run or runner.succeeds(systemctl(system) + ["cat", socket])
         try:
-            runner.step(disable_argv(name, system=system))
+            runner.step(disable_argv(name, system=system, held_socket=held))
         except InstallError as exc:
             raise InstallError(f"{exc}\nNothing was removed.") from exc
 
