@@ -22,7 +22,7 @@ from harness.fakes import Clock, FakeAction, FakeProcess
 from mlx_watchdog import control, held_socket
 from mlx_watchdog.act import ActionResult, SignalRestart, restart_planned
 from mlx_watchdog.cli import main
-from mlx_watchdog.judge import STARTING, Judge, JudgeConfig
+from mlx_watchdog.judge import DOWN, STARTING, Judge, JudgeConfig
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.monitor import PLANNED, Monitor
 from mlx_watchdog.policy import RestartPolicy
@@ -94,6 +94,21 @@ def test_a_requested_planned_restart_runs_in_the_next_tick_and_wakes_it(tmp_path
     assert action.planned == ["memory"] and answers == [ActionResult(True,
                                                                     "drained and started again")]
     assert monitor.record()["last_restart"]["cause"] == "memory"
+
+
+def test_a_failed_planned_restart_leaves_the_instance_down_without_boot_grace(tmp_path):
+    # As any failed restart (a launchctl that is missing): nothing was started.
+    action = PlannedAction()
+    action.restart_planned = lambda reason: ActionResult(False, "launchctl: command not found")
+    monitor = _monitor(tmp_path, action)
+    monitor.started()
+    monitor.tick()
+    result = monitor.planned_restart("operator")
+    assert not result.ok
+    assert not monitor.policy.in_grace(monitor.clock())
+    assert monitor.verdict.state == DOWN
+    assert monitor.verdict.reason.startswith("restart failed: launchctl: command not found")
+    assert monitor.record()["last_restart"]["ok"] is False
 
 
 def test_a_watched_only_instance_cannot_be_restarted(tmp_path):

@@ -157,8 +157,12 @@ class Monitor:
                                        "restart action ([restart] type \"none\")")
         self.events.info("restart", f"planned restart: {reason}", state=STARTING, cause=cause)
         result = restart_planned(self.action, reason)
-        self.policy.started(self.clock())
-        self._forget()
+        if result.ok:
+            self.policy.started(self.clock())
+            self._forget()
+        else:
+            # As for any failed restart: nothing was started, so no boot grace.
+            self.policy.end_grace(self.clock())
         self.restarts += 1
         self._last_restart = {"time": self.wall_clock(), "cause": cause, "reason": reason,
                               "ok": result.ok, "detail": result.detail}
@@ -169,7 +173,8 @@ class Monitor:
             self.report(Verdict(STARTING, f"planned restart: {reason}"))
         else:
             self.events.error("restart-failed", result.detail)
-            self.report(Verdict(STARTING, f"planned restart failed: {result.detail}"))
+            self.report(Verdict(DOWN, f"restart failed: {result.detail}; planned restart: "
+                                      f"{reason}"))
         return result
 
     def _next_planned(self) -> Optional[Tuple[str, str, Optional[PlannedDone]]]:
