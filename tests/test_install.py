@@ -956,6 +956,9 @@ def test_install_env_flag_is_checked(env):
     _fails_naming(bad, "--env")
     reserved = env.install("systemd", "--dry-run", "--env", "PYTHONPATH=/x", port=port)
     _fails_naming(reserved, "--env")
+    reserved = env.install("launchd", "--dry-run", "--env", "MLX_HOTFIX_LAUNCHD_SOCKET=x",
+                           port=port)
+    _fails_naming(reserved, "--env")
     # The shim's own list of its variables (read as data from its config module).
     (env.shim / "mlx_hotfix").mkdir()
     (env.shim / "mlx_hotfix" / "config.py").write_text(

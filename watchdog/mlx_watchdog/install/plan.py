@@ -62,8 +62,10 @@ def _check_server_args(server_args: Sequence[str]) -> None:
 
 
 # Set by install itself: an --env may not change where the shim comes from or
-# where its heartbeat goes, or the watchdog would judge another server.
-_RESERVED_ENV = ("PYTHONPATH", defaults.HEARTBEAT_ENV, defaults.INSTANCE_ENV)
+# where its heartbeat goes, or the watchdog would judge another server; nor
+# which launchd socket the server asks for (the plist's own Sockets entry).
+_RESERVED_ENV = ("PYTHONPATH", defaults.HEARTBEAT_ENV, defaults.INSTANCE_ENV,
+                 "MLX_HOTFIX_LAUNCHD_SOCKET")
 
 
 def _check_server_env(assignments: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
