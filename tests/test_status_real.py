@@ -25,7 +25,7 @@ from typing import Dict, List, Tuple
 import pytest
 import requests
 
-from harness.definitions import read_definition
+from harness.definitions import read_definition, without_launchd
 from harness.procs import kill_group
 from harness.server import free_port, python_for
 
@@ -59,8 +59,8 @@ class Installed:
 
     def definition(self, role: str) -> Tuple[List[str], Dict[str, str]]:
         """(argv, environment) of the server's or the watchdog's definition."""
-        if self.manager == "launchd":
-            return read_definition(self.home / "Library/LaunchAgents" /
+        if self.manager == "launchd":  # no launchd here to hold the Sockets entry
+            return without_launchd(self.home / "Library/LaunchAgents" /
                                    f"io.github.mlx-watchdog.{self.name}.{role}.plist")
         return read_definition(self.home / ".config/systemd/user" /
                                f"{self.name}-{role}.service")
