@@ -37,20 +37,27 @@ def _env(tmp_path: Path, **extra) -> dict:
             "MLX_HOTFIX_REPORT_DIR": str(tmp_path / "reports"), **extra}
 
 
-def _in_flight(tmp_path: Path) -> int:
+def _record(tmp_path: Path) -> dict:
     try:
-        return json.loads((tmp_path / "heartbeat.json").read_text()).get("in_flight") or 0
+        return json.loads((tmp_path / "heartbeat.json").read_text())
     except (OSError, ValueError):
-        return 0
+        return {}
 
 
-def _wait_in_flight(server, tmp_path: Path, count: int) -> None:
-    """Until the server holds `count` requests (in ResponseGenerator.generate)."""
+def _held(record: dict) -> int:
+    """Requests the server accepted: generating (in ResponseGenerator.generate)
+    or waiting in the admission part's line for a slot."""
+    return (record.get("in_flight") or 0) + (record.get("queued") or 0)
+
+
+def _wait_in_flight(server, tmp_path: Path, count: int) -> dict:
+    """Until the server holds `count` requests; the heartbeat record then."""
     deadline = time.monotonic() + CLIENT_TIMEOUT
-    while _in_flight(tmp_path) < count:
+    while _held(record := _record(tmp_path)) < count:
         assert time.monotonic() < deadline, f"never {count} in flight:\n{server.log()[-3000:]}"
         assert server.alive(), server.log()[-3000:]
         time.sleep(0.05)
+    return record
 
 
 def _send_eight(server, max_tokens: int = LONG):
@@ -101,7 +108,10 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_then_dies_of_it(
                      env=_env(tmp_path, MLX_HOTFIX_DRAIN_TIMEOUT="600"))
     server.warm_up()
     streams, plains = _send_eight(server)
-    _wait_in_flight(server, tmp_path, 8)
+    record = _wait_in_flight(server, tmp_path, 8)
+    # Two decode, six wait for a slot in the admission part's line: accepted
+    # too, so they finish through the drain as well.
+    assert (record["in_flight"], record["queued"]) == (2, 6), record
     server.proc.send_signal(signal.SIGTERM)
 
     late = server.chat("a new request", max_tokens=2)
