@@ -5,7 +5,8 @@ On the real stock servers with the shim: the record carries the process's
 memory (RSS on Linux; macOS adds phys_footprint, see test_macos.py for the
 struct), MLX's allocator figures and the prompt cache's; a trim request
 halves the prompt cache and is reported in the next beat; the soft line
-turns /health 503 {"status": "memory"} for as long as the request says, and
+turns /health 503 {"status": "memory"} for as long as the request says
+(/health/live stays 200 "serving"), and
 a request for another process, or a hostile file, does nothing.
 """
 
@@ -22,7 +23,7 @@ import pytest
 
 from harness.server import SHIM_DIR, VERSIONS, base_env
 from mlx_watchdog.memory import parse_heartbeat_memory
-from tests.test_shim_stall import health, read, wait_for
+from tests.test_shim_stall import health, live, read, wait_for
 
 MEASURED = {"rss", "mlx_active", "mlx_cache", "mlx_peak", "prompt_cache_bytes",
             "prompt_cache_entries"}
@@ -77,6 +78,8 @@ def test_memory_in_the_beat_and_health_and_a_trim_on_request(servers, tiny_llama
     assert [line for line in server.hotfix_lines() if "memory: trimmed on request 7" in line]
     status, body = health(server)
     assert (status, body["status"]) == (503, "memory") and body["memory"]["trimmed"] == trimmed
+    # Not ready, but alive and serving: a liveness probe must not kill it.
+    assert live(server) == (200, {"status": "alive", "phase": "serving"})
 
     # The same request number again (the soft line renewed): no second trim;
     # the soft line lapses when the watchdog says so.

@@ -242,12 +242,14 @@ def liveness(handler):
     answer = heartbeat.health()
     if answer is None or _generation_dead(handler):
         return 503, {"status": "unavailable", "error": "generation thread died or stopping"}
-    status, body = answer
+    _, body = answer
     if body.get("status") == "stalled":
         return 503, body
     from .drain import draining
 
-    phase = "draining" if draining() else ("loading" if status == 503 else "serving")
+    # Above the memory soft line /health says 503 too, but the server serves.
+    phase = "draining" if draining() else (
+        "loading" if body.get("status") == "loading" else "serving")
     return 200, {"status": "alive", "phase": phase}
 
 
