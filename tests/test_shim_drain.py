@@ -121,6 +121,8 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_then_dies_of_it(
     assert late.json()["error"]["code"] == 503
     health = requests.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    # The draining body keeps memory and the admission part's counts.
+    assert {"memory", "queued", "running"} <= set(health.json()), health.text
     live = requests.get(f"{server.url}/health/live", timeout=10)
     assert live.status_code == 200 and live.json()["phase"] == "draining", live.text
 

@@ -159,6 +159,15 @@ def _add_fields(data):
             pass
 
 
+def health_fields():
+    """The fields every /health body of a running server carries besides its
+    own: memory, and other parts' (admission's counts). For a part that
+    answers /health itself (the drain)."""
+    data = {"memory": memory.fields()}
+    _add_fields(data)
+    return data
+
+
 def _write(data):
     """Write one record to the heartbeat file, atomically. Never raises."""
     path = config.current().heartbeat_file

@@ -198,9 +198,12 @@ class Drain:
 
     def health(self):
         now = time.monotonic()
-        return {"status": "draining", "in_flight": self.active,
+        body = {"status": "draining", "in_flight": self.active,
                 "draining_for_s": round(now - self.started_at, 3),
                 "drain_timeout_s": config.current().drain_timeout}
+        # memory and admission's queued/running, as in every other /health body
+        body.update(heartbeat.health_fields())
+        return body
 
 
 state = Drain()
