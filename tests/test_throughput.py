@@ -116,11 +116,10 @@ def test_metrics_export_throughput_and_reports(tmp_path):
     assert samples[("mlx_watchdog_crash_reports_total", (("instance", "a"),))] == 2
 
 
-def test_admission_counts_become_gauges_and_monotonic_labelled_counters(tmp_path):
+def test_admission_counts_become_gauges_and_monotonic_labelled_counters():
     # The shim's admission part: queued/running gauges, refusals by reason and
     # deadline stops as counters that only grow, across a server restart too.
-    path = tmp_path / "hb"
-    tracker = ThroughputTracker(path)
+    tracker = ThroughputTracker()
     metrics = Metrics()
     metrics.add_instance("gemma")
     record = {"pid": 1, "beats": 1, "time": 1.0, "phase": "serving", "in_flight": 1,
@@ -132,8 +131,7 @@ def test_admission_counts_become_gauges_and_monotonic_labelled_counters(tmp_path
              dict(record, pid=2, queued=0, running=0, rejected_queue_full=4,
                   rejected_queue_timeout=0, deadline_stops=1)]
     for step in steps:
-        path.write_text(json.dumps(step))
-        reading = tracker.sample()
+        reading = tracker.observe(step)  # one record per tick, as the monitor reads it
         metrics.observe_throughput("gemma", reading)
     assert (reading.queued, reading.running) == (0, 0)
     samples = _samples(metrics)
