@@ -72,7 +72,9 @@ class StacksFirst:
         self.refused = None
         if self.instance.heartbeat_file:
             beat = read_heartbeat(self.instance.heartbeat_file)
-            if beat is not None and beat.pid != root:
+            # A heartbeat left by a process that is gone: nobody to ask or to
+            # refuse (and no report about a process that is no longer there).
+            if beat is not None and beat.pid != root and _running(beat.pid):
                 self.refused = not_the_server(beat, root, self.instance.heartbeat_file)
                 if self.refused is None:
                     pids.append(beat.pid)
