@@ -279,8 +279,7 @@ def supervise_command(
             stop_grace=stop_grace,
             report_dir=report_dir,
         )
-        events = Events(name)
-        listen_socket = _held_socket(command, hold_socket, no_shim, group_command, events)
+        listen_socket, socket_note = _held_socket(command, hold_socket, no_shim, group_command)
         supervisor = Supervisor(
             command,
             instance,
@@ -297,6 +296,8 @@ def supervise_command(
 
         supervisor.events.info("supervise", f"supervising `{shlex.join(redact_argv(list(command)))}`"
                                             f", probing {redact_url(url)}")
+        if socket_note:
+            supervisor.events.info("socket", socket_note)
         if backoff_reset is not None:
             from .config import RETIRED
 
@@ -481,21 +482,20 @@ def _check_name(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def _held_socket(command, wanted: bool, no_shim: bool, group_command, events: Events):
-    """The listening socket supervise holds for its children, or None (said why)."""
+def _held_socket(command, wanted: bool, no_shim: bool, group_command):
+    """The listening socket supervise holds for its children, or None, and
+    the line that says so (logged after the line naming the command)."""
     from . import held_socket
     from .urls import bind_host, url_from_command
 
     if not wanted:
-        return None
+        return None, None
     if no_shim:
-        events.info("socket", "no held socket: without the shim the server cannot take one "
-                              "(it binds its port itself)")
-        return None
+        return None, ("no held socket: without the shim the server cannot take one (it binds "
+                      "its port itself)")
     if group_command is not None:
-        events.info("socket", "no held socket: rank 0 of an mlx.launch group binds its port "
-                              "itself (the launcher starts the ranks)")
-        return None
+        return None, ("no held socket: rank 0 of an mlx.launch group binds its port itself "
+                      "(the launcher starts the ranks)")
     from urllib.parse import urlsplit
 
     try:
@@ -503,9 +503,8 @@ def _held_socket(command, wanted: bool, no_shim: bool, group_command, events: Ev
     except ValueError:
         port = None
     if port is None:
-        events.info("socket", "no held socket: the server's port cannot be read from its "
-                              "command (it binds its port itself)")
-        return None
+        return None, ("no held socket: the server's port cannot be read from its command (it "
+                      "binds its port itself)")
     host = bind_host(command)
     try:
         sock = held_socket.bind(host, port)
@@ -514,9 +513,8 @@ def _held_socket(command, wanted: bool, no_shim: bool, group_command, events: Ev
         raise click.ClickException(
             f"cannot listen on {shown}:{port} for the server: {exc.strerror or exc} (is another "
             "server on that port? --no-socket lets each server bind it itself)") from None
-    events.info("socket", f"holding {held_socket.describe(sock)} for the server: connections "
-                          "wait there while it restarts")
-    return sock
+    return sock, (f"holding {held_socket.describe(sock)} for the server: connections wait "
+                  "there while it restarts")
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):
