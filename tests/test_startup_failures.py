@@ -96,8 +96,10 @@ def test_a_taken_port_is_named_and_counted_on_one_report(tmp_path, tiny_llama):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        # --no-listener-check skips the port check (the port may be a proxy's).
-        exits, found, _ = _loop(tmp_path, "--no-listener-check", "--",
+        # --no-listener-check skips the port check (the port may be a proxy's);
+        # --no-socket: each child binds the port itself (a held socket could
+        # not be bound either, and supervise would refuse to start).
+        exits, found, _ = _loop(tmp_path, "--no-listener-check", "--no-socket", "--",
                                 *_server(str(tiny_llama), port))
     for event in exits:
         assert event["message"] == ("server exited with code 70 at start-up: OSError: "
