@@ -9,6 +9,7 @@ stand-in with the documented signature, since there is no macOS here.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -213,13 +214,18 @@ def test_a_wrong_inherited_fd_is_named_and_exits_70(launched, tiny_llama, tmp_pa
             client.connect(str(path))
             assert proc.wait() == 70, proc.log()
     else:
-        env = {**os.environ, **_shim_env(tmp_path)}
+        beat = tmp_path / "heartbeat.json"
+        env = {**os.environ, **_shim_env(tmp_path), "MLX_HOTFIX_HEARTBEAT_FILE": str(beat)}
         proc = launched([sys.executable, "-c", WRONG_LAUNCHER, kind, *server],
                         tmp_path / "server.log", env=env)
     assert proc.wait() == 70, proc.log()
     (line,) = [l for l in proc.log().splitlines() if "exiting 70" in l]
     assert WRONG[kind] in line and "never replaced by a bind of our own" in line, line
     assert _refused(own_port)
+    if kind not in ("datagram", "unix"):
+        # The cause the watchdog names this start-up failure by (the death field).
+        death = json.loads(beat.read_text())["death"]
+        assert WRONG[kind] in death["summary"] and death["during_startup"], death
 
 
 def test_a_socket_for_another_process_is_not_taken(launched, tiny_llama, tmp_path):

@@ -78,9 +78,12 @@ def _wrap_server_bind(original):
 
 
 def _refuse(exc):
+    from .. import heartbeat
+
     code = config.current().exit_code
     log.say("%s; exiting %d (a wrong listening socket is never replaced by a bind of our own)"
             % (exc, code))  # said and flushed before the exit
+    heartbeat.died(str(exc), True)  # the watchdog names the start-up failure by it
     os._exit(code)
 
 
