@@ -176,6 +176,32 @@ def test_bad_numbers_are_named_and_defaults_used(envs):
     assert "MLX_HOTFIX_EXIT_GRACE='soon' is not a number of seconds" in result.stderr
 
 
+def test_only_plain_decimal_numbers_are_read(envs):
+    # int() reads "1_0" as 10 and "٧٠" as 70; float() reads "nan": none is a setting.
+    result = run_python("0.31.3", "import mlx_lm",
+                        env={"MLX_HOTFIX_EXIT_CODE": "1_0", "MLX_HOTFIX_EXIT_GRACE": "2_5",
+                             "MLX_HOTFIX_STALL_TIMEOUT": "nan",
+                             "MLX_HOTFIX_RECOVER_LIMIT": "\u0667\u0660",
+                             "MLX_HOTFIX_HEARTBEAT_INTERVAL": "1e1"})
+    assert result.returncode == 0, result.stderr
+    assert "MLX_HOTFIX_EXIT_CODE='1_0' is not an integer from 1 to 255; using 70" in result.stderr
+    assert "MLX_HOTFIX_EXIT_GRACE='2_5' is not a number of seconds" in result.stderr
+    assert "MLX_HOTFIX_STALL_TIMEOUT='nan' is not a number of seconds" in result.stderr
+    assert "MLX_HOTFIX_RECOVER_LIMIT='\u0667\u0660' is not an integer" in result.stderr
+    assert "HEARTBEAT_INTERVAL" not in result.stderr  # 1e1 is plain: 10 s
+
+
+def test_a_switch_that_is_neither_on_nor_off_is_named_and_the_shim_stays_on(envs):
+    result = run_python("0.31.3", "import mlx_lm.server", env={"MLX_HOTFIX": "garbage"})
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
+    assert lines[0] == ("mlx-hotfix: MLX_HOTFIX='garbage' is not 0/1 (or false/true, no/yes, "
+                        "off/on); the shim stays on")
+    assert lines[1] == "mlx-hotfix: " + EXPECTED_STATUS["0.31.3"]
+    for quiet in ("1", "on", "", "0", "off"):
+        assert run_python("0.32.2", "pass", env={"MLX_HOTFIX": quiet}).stderr == "", quiet
+
+
 def test_a_target_that_does_not_fit_is_skipped_and_the_server_still_loads(envs, tmp_path):
     # A user sitecustomize (chained by the shim) reshapes the target before the
     # shim sees it, as a future mlx-lm release might.

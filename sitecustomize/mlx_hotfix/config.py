@@ -15,12 +15,31 @@ MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
 MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
 MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
+
+Numbers are plain decimal: an integer is digits with an optional sign
+("70", not "7_0" or "0x46"), a number of seconds may have a fraction and an
+exponent ("2.5", "1e3"); anything else is named on stderr and the default used.
 """
 
 import os
+import re
 
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
 _TRUE = ("1", "true", "yes", "on")
+# int() and float() also take "1_0" (as 10), "٧٠" (Arabic-Indic digits), and
+# float() "nan" and "inf": a setting is read only when written the plain way.
+_PLAIN = {
+    int: re.compile(r"[+-]?[0-9]+\Z"),
+    float: re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z"),
+}
+
+
+def plain_number(raw, kind):
+    """raw read as kind (int or float) if written as a plain decimal, else None."""
+    if not _PLAIN[kind].match(raw):
+        return None
+    return kind(raw)
+
 
 _current = None
 MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load too
@@ -99,12 +118,9 @@ class Config:
         raw = environ.get(key, "").strip()
         if not raw:
             return default
-        try:
-            value = kind(raw)
-            if valid(value):
-                return value
-        except ValueError:
-            pass
+        value = plain_number(raw, kind)
+        if value is not None and valid(value):
+            return value
         self.warnings.append(
             "%s=%r is not %s; using %r" % (key, raw, expected, default)
         )
