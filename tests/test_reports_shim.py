@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,61 @@ def test_write_report_never_raises_and_keeps_the_newest(envs, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "50"
     assert "could not write a died report" in done.stderr
+
+
+def test_links_planted_at_the_stack_file_names_are_replaced_never_followed(envs, tmp_path):
+    # A shared report folder: someone plants fatal-<pid>.txt and stacks-<pid>.txt
+    # as links to the owner's files before the server starts, and a link named
+    # like a dead process's fatal file to a secret.
+    reports, victims = tmp_path / "reports", tmp_path / "victims"
+    victims.mkdir()
+    precious = {name: victims / name for name in ("fatal", "stacks", "secret")}
+    for path in precious.values():
+        path.write_text("Fatal Python error: Aborted\nprecious %s\n" % path.name)
+        path.chmod(0o644)
+    reports.mkdir()
+    (reports / "fatal-999999999.txt").symlink_to(precious["secret"])
+    code = (
+        "import os, sys\n"
+        "d = os.environ['MLX_HOTFIX_REPORT_DIR']\n"
+        "for prefix, victim in (('fatal-', sys.argv[1]), ('stacks-', sys.argv[2])):\n"
+        "    os.symlink(victim, os.path.join(d, '%s%d.txt' % (prefix, os.getpid())))\n"
+        "import mlx_lm.server\n"
+        "print([os.path.islink(os.path.join(d, '%s%d.txt' % (p, os.getpid())))"
+        " for p in ('fatal-', 'stacks-')])\n"
+    )
+    done = run_python("0.31.3", code, args=[str(precious["fatal"]), str(precious["stacks"])],
+                      env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[False, False]"  # our own files replaced the links
+    for name, path in precious.items():
+        assert path.read_text() == "Fatal Python error: Aborted\nprecious %s\n" % name
+        assert oct(path.stat().st_mode & 0o777) == "0o644", name
+    assert "precious secret" not in done.stderr and not _reports(reports)
+
+
+def test_pruning_touches_only_report_names_and_never_the_report_just_written(envs, tmp_path):
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    foreign = ["notes.json", "zzz.json", "20990101-config.json", "20990101-000000-000-Died-1.json"]
+    for name in foreign:
+        (reports / name).write_text("{}")
+    old = ["20000101-000000-00%d-died-1.json" % i for i in range(3)]
+    # Reports from a clock that ran ahead: all newer by name than the next one.
+    ahead = ["20990101-000000-%03d-died-2.json" % i for i in range(50)]
+    for name in old + ahead:
+        (reports / name).write_text("{}")
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from mlx_hotfix import reports\n"
+            "print(reports.write_report('died'))\n")
+    from harness.server import SHIM_DIR
+
+    done = run_python(VERSIONS[-1], code, shim=False, args=[str(SHIM_DIR)],
+                      env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert done.returncode == 0, done.stderr
+    written = done.stdout.strip()
+    assert Path(written).parent == reports and Path(written).exists()
+    left = sorted(p.name for p in reports.iterdir())
+    assert set(foreign) <= set(left)
+    assert not set(old) & set(left)
+    assert len([n for n in left if n not in foreign]) == 50

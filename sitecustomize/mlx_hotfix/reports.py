@@ -7,7 +7,9 @@ or "aborted" (a fatal-stack file of an earlier process, folded in at the next
 start), and later kinds such as "recovered" fit the same shape. Files go to
 MLX_HOTFIX_REPORT_DIR (default ~/Library/Logs/mlx-watchdog/reports on macOS,
 ${XDG_STATE_HOME:-~/.local/state}/mlx-watchdog/reports elsewhere), mode 0600,
-written whole (mkstemp + os.replace); the newest KEEP are kept.
+written whole (mkstemp + os.replace); the newest KEEP are kept. Pruning
+touches only report names (``REPORT_NAME``: ``<date>-<time>-<ms>-<kind>-<pid>.json``,
+as the shim and the watchdog write them), never the report just written.
 
 Never in a report: prompt or completion text, API keys. A request is
 described by its shape only (prompt token count, max_tokens, stream,
@@ -17,21 +19,26 @@ Stacks on demand: prepare() registers faulthandler for SIGUSR1 (all threads)
 into ``stacks-<pid>.txt`` in the report dir, which works even when the hung
 thread holds the GIL in native code, and faulthandler.enable() into
 ``fatal-<pid>.txt``, so systemd's WatchdogSignal=SIGABRT leaves the stacks
-there too. The watchdog sends SIGUSR1 only to a pid whose stacks file
-exists (without the handler, SIGUSR1 would kill the process).
+there too. Both are created under a random name and renamed into place
+(_files.create_private), so a symlink planted under either name is
+replaced, never followed; folding reads only regular files (O_NOFOLLOW).
+The watchdog sends SIGUSR1 only to a pid whose stacks file exists (without
+the handler, SIGUSR1 would kill the process).
 
 write_report never raises: a report is evidence, never a new way to fail.
 """
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 
-from ._files import write_atomically
+from ._files import create_private, read_regular, write_atomically
 
 KEEP = 50
+REPORT_NAME = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9]{3}-[a-z][a-z_]*-[0-9]+\.json\Z")
 SCHEMA = 1
 _STACKS_PREFIX = "stacks-"
 _FATAL_PREFIX = "fatal-"
@@ -255,11 +262,19 @@ def report_name(kind, pid, when):
     return "%s-%03d-%s-%d.json" % (stamp, int((when % 1) * 1000), kind, pid)
 
 
-def prune(directory, keep=KEEP):
-    """Keep the newest `keep` reports (by name: they start with their time)."""
-    names = sorted(n for n in os.listdir(directory)
-                   if n.endswith(".json") and not n.startswith("."))
-    for name in names[:-keep] if keep else names:
+def report_names(directory):
+    """The names of the reports in directory, oldest first (they start with their time).
+
+    Only names as reports are written (REPORT_NAME): other files are not ours.
+    """
+    return sorted(n for n in os.listdir(directory) if REPORT_NAME.match(n))
+
+
+def prune(directory, keep=KEEP, written=None):
+    """Keep the newest `keep` reports, and always `written` (the one just written)."""
+    names = [n for n in report_names(directory) if n != written]
+    room = max(0, keep - (1 if written else 0))
+    for name in names[:max(0, len(names) - room)]:
         try:
             os.unlink(os.path.join(directory, name))
         except OSError:
@@ -271,8 +286,9 @@ def write_report(kind, *, exc=None, extra=None):
     try:
         report = build_report(kind, exc, extra)
         directory = report_dir()
-        path = write_json(directory, report_name(kind, report["pid"], report["time"]), report)
-        prune(directory)
+        name = report_name(kind, report["pid"], report["time"])
+        path = write_json(directory, name, report)
+        prune(directory, written=name)
         return path
     except BaseException as error:  # noqa: BLE001 - evidence must never kill anything
         try:
@@ -305,25 +321,30 @@ def _pid_alive(pid):
     return True
 
 
-def fold_fatal_files(directory=None):
-    """Turn non-empty fatal-stack files of dead processes into reports."""
+def fold_fatal_files(directory=None, *, before_arming=False):
+    """Turn non-empty fatal-stack files of dead processes into reports.
+
+    before_arming: this process has no files of its own yet, so one named
+    with its pid was left by an earlier process that had the same pid.
+    """
     directory = directory or report_dir()
     written = []
     for name in os.listdir(directory):
         for prefix in (_FATAL_PREFIX, _STACKS_PREFIX):
             if not (name.startswith(prefix) and name.endswith(".txt")):
                 continue
-            try:
-                pid = int(name[len(prefix):-4])
-            except ValueError:
+            digits = name[len(prefix):-4]
+            if not (digits.isascii() and digits.isdigit()):
                 continue
-            if pid == os.getpid() or _pid_alive(pid):
+            pid = int(digits)
+            if pid == os.getpid() and not before_arming:
+                continue
+            if pid != os.getpid() and _pid_alive(pid):
                 continue
             path = os.path.join(directory, name)
             try:
-                with open(path, errors="replace") as handle:
-                    text = handle.read(1 << 20)
-                mtime = os.path.getmtime(path)
+                text = read_regular(path, 1 << 20)
+                mtime = os.lstat(path).st_mtime
                 if prefix == _FATAL_PREFIX and text.strip():
                     kind = "aborted" if "Aborted" in text else "wedged"
                     report = {
@@ -333,10 +354,12 @@ def fold_fatal_files(directory=None):
                         "reason": "the process received a fatal signal (SIGABRT from "
                                   "systemd's WatchdogSignal, or a crash)",
                     }
-                    written.append(write_json(directory, report_name(kind, pid, mtime), report))
+                    written.append(report_name(kind, pid, mtime))
+                    write_json(directory, written[-1], report)
                     from . import log
 
-                    log.say("pid %d left fatal stacks; folded into %s" % (pid, written[-1]))
+                    log.say("pid %d left fatal stacks; folded into %s"
+                            % (pid, os.path.join(directory, written[-1])))
                     # The journal (or the service log) gets them too: the
                     # dying process wrote them to this file, not to stderr.
                     sys.stderr.write(text if text.endswith("\n") else text + "\n")
@@ -345,8 +368,8 @@ def fold_fatal_files(directory=None):
             except OSError:
                 pass
     if written:
-        prune(directory)
-    return written
+        prune(directory, written=written[-1])
+    return [os.path.join(directory, name) for name in written]
 
 
 def prepare():
@@ -360,19 +383,17 @@ def prepare():
 
         directory = _ensure_dir(report_dir())
         try:
-            fold_fatal_files(directory)
+            fold_fatal_files(directory, before_arming=True)
         except OSError:
             pass
-        fatal = open(fatal_path(directory=directory), "w")
-        os.chmod(fatal.name, 0o600)
+        fatal = create_private(fatal_path(directory=directory))
         _files.append(fatal)
         # Into the file even under PYTHONFAULTHANDLER=1 (stderr, the journal):
         # the next start folds it into a report and names it on stderr.
         faulthandler.enable(file=fatal, all_threads=True)
         sigusr1 = getattr(signal, "SIGUSR1", None)
         if sigusr1 is not None:
-            stacks = open(stacks_path(directory=directory), "w")
-            os.chmod(stacks.name, 0o600)
+            stacks = create_private(stacks_path(directory=directory))
             _files.append(stacks)
             faulthandler.register(sigusr1, file=stacks, all_threads=True, chain=False)
         import atexit
@@ -401,7 +422,6 @@ def _cleanup(directory):
 def count_reports(directory=None):
     """How many reports the directory holds (for metrics)."""
     try:
-        return sum(1 for n in os.listdir(directory or report_dir())
-                   if n.endswith(".json") and not n.startswith("."))
+        return len(report_names(directory or report_dir()))
     except OSError:
         return 0
