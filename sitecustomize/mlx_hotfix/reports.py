@@ -172,8 +172,7 @@ def _heartbeat():
 
         path = config.current().heartbeat_file
         if path:
-            with open(path) as handle:
-                counters["file"] = json.loads(handle.read(8192))
+            counters["file"] = json.loads(read_regular(path, 8192))
     except Exception:  # noqa: BLE001
         pass
     return counters
