@@ -62,12 +62,12 @@ def test_death_writes_one_report_without_the_prompt(servers, tiny_llama, tmp_pat
 def test_a_fatal_signal_lands_in_a_report_at_the_next_start(envs, tmp_path, version):
     reports = tmp_path / "reports"
     env = {"MLX_HOTFIX_REPORT_DIR": str(reports)}
-    code = "import mlx_lm, os, signal; os.kill(os.getpid(), signal.SIGABRT)"
+    code = "import mlx_lm.server, os, signal; os.kill(os.getpid(), signal.SIGABRT)"
     first = run_python(version, code, env=env)
     assert first.returncode == -signal.SIGABRT
     fatal = list(reports.glob("fatal-*.txt"))
     assert len(fatal) == 1 and "Aborted" in fatal[0].read_text()
-    second = run_python(version, "import mlx_lm", env=env)
+    second = run_python(version, "import mlx_lm.server", env=env)
     assert second.returncode == 0, second.stderr
     files = _reports(reports)
     assert len(files) == 1 and "folded into" in second.stderr
@@ -81,7 +81,7 @@ def test_a_fatal_signal_lands_in_a_report_at_the_next_start(envs, tmp_path, vers
 def test_sigusr1_writes_every_threads_stack_and_the_process_lives(envs, tmp_path):
     reports = tmp_path / "reports"
     code = (
-        "import mlx_lm, os, signal, time, threading\n"
+        "import mlx_lm.server, os, signal, time, threading\n"
         "def parked_here():\n    threading.Event().wait()\n"
         "threading.Thread(target=parked_here, daemon=True).start()\n"
         "time.sleep(0.2); os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"

@@ -146,6 +146,44 @@ def test_one_status_line_when_the_server_module_loads(envs, version):
     assert lines == ["mlx-hotfix: " + EXPECTED_STATUS[version]]
 
 
+LAUNCH_FORMS = ("mlx_lm.server", "python -m mlx_lm server", "python -m mlx_lm.server", "script")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_launch_form_gets_every_part(envs, tmp_path, version):
+    # --help ends main() at once: the parts apply as main() starts, in every form.
+    from harness.server import StockServer
+
+    lines = {}
+    for launch in LAUNCH_FORMS:
+        server = StockServer(version, tmp_path / "no-model", tmp_path, launch=launch,
+                             env={"MLX_HOTFIX_RECOVER": "thread"})
+        done = subprocess.run(server.command() + ["--help"], env=server.env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (launch, done.stderr)
+        lines[launch] = [l for l in done.stderr.splitlines() if l.startswith("mlx-hotfix:")]
+    expected = ["mlx-hotfix: " + EXPECTED_STATUS[version].replace(
+        "recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70)",
+        "recover applied (mode thread, at most 3 in 600 s)")]
+    assert lines == {launch: expected for launch in LAUNCH_FORMS}
+
+
+def test_crash_reports_are_armed_in_a_server_only(envs, tmp_path):
+    # A notebook or mlx_lm.generate with the shim on its path: no faulthandler
+    # redirection, no report folder, nothing folded onto its stderr.
+    reports = tmp_path / "reports"
+    code = "import faulthandler, mlx_lm.generate; print(faulthandler.is_enabled())"
+    plain = run_python("0.31.3", code, env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() == "False" and not reports.exists()
+    code = ("import faulthandler, os, mlx_lm.server; print(faulthandler.is_enabled(), "
+            "os.path.exists(os.path.join(os.environ['MLX_HOTFIX_REPORT_DIR'], "
+            "'stacks-%d.txt' % os.getpid())))")
+    server = run_python("0.31.3", code, env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert server.returncode == 0, server.stderr
+    assert server.stdout.strip() == "True True"
+
+
 def test_no_status_line_for_mlx_lm_outside_the_server(envs):
     result = run_python("0.31.3", "import mlx_lm.generate")
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,9 @@ Never in a report: prompt or completion text, API keys. A request is
 described by its shape only (prompt token count, max_tokens, stream,
 sampling fields).
 
-Stacks on demand: prepare() registers faulthandler for SIGUSR1 (all threads)
+Stacks on demand: prepare(), called once when the process turns out to be a
+server (mlx_lm.server imported or run as __main__; never on a plain
+``import mlx_lm``), registers faulthandler for SIGUSR1 (all threads)
 into ``stacks-<pid>.txt`` in the report dir, which works even when the hung
 thread holds the GIL in native code, and faulthandler.enable() into
 ``fatal-<pid>.txt``, so systemd's WatchdogSignal=SIGABRT leaves the stacks
@@ -371,11 +373,18 @@ def fold_fatal_files(directory=None, *, before_arming=False):
     return [os.path.join(directory, name) for name in written]
 
 
-def prepare():
-    """At activation: fold what earlier processes left, then arm faulthandler.
+_prepared = False
 
-    Never raises; the server starts whatever happens here.
+
+def prepare():
+    """When a server starts: fold what earlier processes left, then arm faulthandler.
+
+    Once per process. Never raises; the server starts whatever happens here.
     """
+    global _prepared
+    if _prepared:
+        return
+    _prepared = True
     try:
         import faulthandler
         import signal

@@ -129,6 +129,29 @@ def report_status(_module=None):
     log.say(status_line())
 
 
+def server_loaded(_module=None):
+    """This process is a server: arm the crash reports (faulthandler into the
+    report folder, folding what earlier servers left), then the status line.
+    Only here, never on a plain ``import mlx_lm``: a notebook or
+    ``mlx_lm.generate`` with the shim on its path gets neither."""
+    from .. import reports
+
+    reports.prepare()  # never raises
+    report_status()
+
+
+_wanted = []  # the parts switched on, in PATCHES order
+
+
+def apply_to_server_main(namespace):
+    """``python -m mlx_lm.server`` (see _launch): every wanted part whose
+    TARGET is the server module, applied to the ``__main__`` namespace."""
+    for patch in _wanted:
+        if patch.TARGET == SERVER_MODULE:
+            try_apply(patch, namespace)
+    server_loaded(namespace)
+
+
 def register_all():
     settings = config.current()
     for patch in PATCHES:
@@ -139,8 +162,9 @@ def register_all():
         if off:
             status[patch.NAME] = off
             continue
+        _wanted.append(patch)
         _hooks.when_imported(patch.TARGET, lambda module, p=patch: try_apply(p, module))
-    _hooks.when_imported(SERVER_MODULE, report_status)
-    from . import main_module
+    _hooks.when_imported(SERVER_MODULE, server_loaded)
+    from .. import _launch
 
-    main_module.watch_for_server_as_main()
+    _launch.watch_for_server_as_main(apply_to_server_main)
