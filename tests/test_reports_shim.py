@@ -172,3 +172,28 @@ def test_pruning_touches_only_report_names_and_never_the_report_just_written(env
     assert set(foreign) <= set(left)
     assert not set(old) & set(left)
     assert len([n for n in left if n not in foreign]) == 50
+
+
+@pytest.mark.parametrize("setting,whole", [("", False), ("1", True), ("maybe", False)])
+def test_report_messages_are_redacted_unless_asked_for_whole(envs, tmp_path, setting, whole):
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1])\n"
+            "from mlx_hotfix import config, log, reports\n"
+            "for warning in config.current().warnings: log.say(warning)\n"
+            "try:\n"
+            "    raise ValueError(\"bad 'the secret prompt' [1, 2, 3, 4, 5, 6, 7, 8]\")\n"
+            "except ValueError as exc:\n"
+            "    print(json.dumps(reports._exception(exc)))\n")
+    from harness.server import SHIM_DIR
+
+    done = run_python(VERSIONS[-1], code, shim=False, args=[str(SHIM_DIR)],
+                      env={"MLX_HOTFIX_REPORT_MESSAGES": setting})
+    assert done.returncode == 0, done.stderr
+    exception = json.loads(done.stdout)
+    assert exception["message_redacted"] is not whole
+    if whole:
+        assert exception["message"] == "bad 'the secret prompt' [1, 2, 3, 4, 5, 6, 7, 8]"
+    else:
+        assert exception["message"] == "bad '<redacted 17 chars>' [<redacted 8 numbers>]"
+        assert "secret" not in exception["traceback"]
+    assert ("MLX_HOTFIX_REPORT_MESSAGES='maybe' is not 0/1; using 0" in done.stderr) is (
+        setting == "maybe")

@@ -16,7 +16,8 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
 step or batch (BatchGenerator.next: every threaded release, 0.28.4 on).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
-reported upstream, with their real messages).
+reported upstream, with their real messages), or quoted: a ValueError whose
+text is MLX_TEST_FAULT_MESSAGE (an exception that quotes request content).
 
 MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
 (set by mlx.launch for each rank of a distributed group) is N.
@@ -58,6 +59,7 @@ _MESSAGES = {
     "slice": (ValueError, "Slice indices must be 32-bit integers."),
     "broadcast": (ValueError, "[broadcast_shapes] Shapes (1,8,1,16) and (1,8,1,0) cannot be broadcast."),
     "extract": (IndexError, "list index out of range (in extract_cache)"),
+    "quoted": (ValueError, None),  # the text: MLX_TEST_FAULT_MESSAGE
 }
 
 _TARGETS = {
@@ -117,7 +119,7 @@ def _inject(module, action, kind, where, after):
                         pass
                 if action == "raise":
                     error, message = _MESSAGES[kind]
-                    raise error(message)
+                    raise error(message or os.environ.get("MLX_TEST_FAULT_MESSAGE", ""))
                 if action == "livelock":
                     return [], []
                 if action == "hang":

@@ -15,6 +15,8 @@ MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
 MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
 MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
+MLX_HOTFIX_REPORT_MESSAGES=1  crash reports keep exception messages whole (by default
+                             anything that looks like request content is redacted)
 
 Numbers are plain decimal: an integer is digits with an optional sign
 ("70", not "7_0" or "0x46"), a number of seconds may have a fraction and an
@@ -26,6 +28,7 @@ import re
 
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 # int() and float() also take "1_0" (as 10), "٧٠" (Arabic-Indic digits), and
 # float() "nan" and "inf": a setting is read only when written the plain way.
 _PLAIN = {
@@ -49,6 +52,7 @@ class Config:
     def __init__(self, environ):
         self.warnings = []
         self.debug = environ.get("MLX_HOTFIX_DEBUG", "").strip().lower() in _TRUE
+        self.report_messages = self._flag(environ, "MLX_HOTFIX_REPORT_MESSAGES")
         self.disabled = self._parse_disable(environ.get("MLX_HOTFIX_DISABLE", ""))
         self.exit_code = self._number(
             environ, "MLX_HOTFIX_EXIT_CODE", 70, int, lambda v: 1 <= v <= 255,
@@ -91,6 +95,14 @@ class Config:
                 % (self.exit_grace, MIN_EXIT_GRACE, MIN_EXIT_GRACE)
             )
             self.exit_grace = MIN_EXIT_GRACE
+
+    def _flag(self, environ, key):
+        raw = environ.get(key, "").strip().lower()
+        if raw in _TRUE:
+            return True
+        if raw not in _FALSE:
+            self.warnings.append("%s=%r is not 0/1; using 0" % (key, raw))
+        return False
 
     def _choice(self, environ, key, default, choices):
         raw = environ.get(key, "").strip().lower()

@@ -209,15 +209,76 @@ def _memory():
     return memory
 
 
-def _exception(exc):
-    if exc is None:
-        return None
+# What in an exception's text looks like request content (README, "Reports").
+_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,40}\Z")  # 'list', 'NoneType', 'role': code
+_NUMBERS = re.compile(r"-?[0-9]+(?:\s*,\s*-?[0-9]+){7,}")  # token ids
+_LONG_RUN = re.compile(r"\S{41,}")
+_MESSAGE_LIMIT = 1000
+
+
+def redact_message(text):
+    """text with what looks like request content replaced by '<redacted N chars>':
+    quoted strings (but a single identifier-like word), lists of 8 or more
+    numbers (token ids), unbroken runs of more than 40 characters; then cut to
+    1000 characters."""
+    def quoted(match):
+        body = match.group(0)[1:-1]
+        if _WORD.match(body):
+            return match.group(0)
+        return "%s<redacted %d chars>%s" % (match.group(0)[0], len(body), match.group(0)[0])
+
+    text = _QUOTED.sub(quoted, text)
+    text = _NUMBERS.sub(lambda m: "<redacted %d numbers>" % (m.group(0).count(",") + 1), text)
+    text = _LONG_RUN.sub(lambda m: "<redacted %d chars>" % len(m.group(0)), text)
+    if len(text) > _MESSAGE_LIMIT:
+        text = text[:_MESSAGE_LIMIT] + "<cut: %d chars in all>" % len(text)
+    return text
+
+
+def _type_name(exc):
+    return "%s.%s" % (type(exc).__module__, type(exc).__qualname__)
+
+
+def _format_chain(exc, message_of):
+    """The traceback as Python prints it (the chain of causes, every frame),
+    each exception's text given by message_of(exc)."""
     import traceback
 
+    blocks, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = ["Traceback (most recent call last):\n"] if exc.__traceback__ else []
+        lines += traceback.format_tb(exc.__traceback__)
+        lines.append("%s: %s\n" % (_type_name(exc), message_of(exc)))
+        blocks.append("".join(lines))
+        if exc.__cause__ is not None:
+            blocks.append("\nThe above exception was the direct cause of the following "
+                          "exception:\n\n")
+            exc = exc.__cause__
+        elif exc.__context__ is not None and not exc.__suppress_context__:
+            blocks.append("\nDuring handling of the above exception, another exception "
+                          "occurred:\n\n")
+            exc = exc.__context__
+        else:
+            exc = None
+    return "".join(reversed(blocks))
+
+
+def _exception(exc):
+    """The exception for a report: its type and every frame always; its text
+    redacted (redact_message) unless MLX_HOTFIX_REPORT_MESSAGES=1."""
+    if exc is None:
+        return None
+    from . import config
+
+    whole = config.current().report_messages
+    message_of = str if whole else (lambda e: redact_message(str(e)))
     return {
-        "type": "%s.%s" % (type(exc).__module__, type(exc).__qualname__),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "type": _type_name(exc),
+        "message": message_of(exc),
+        "message_redacted": not whole,
+        "traceback": _format_chain(exc, message_of),
     }
 
 

@@ -244,10 +244,13 @@ def _one_line(exc):
 
 
 def error_message():
+    """What every waiting client and /health are told: the exception's type and
+    a fixed sentence, never its text (it may quote another client's request;
+    the text goes to stderr and, redacted, to the crash report)."""
     if lifeline.stopping is not None:
         return "the server is stopping (signal %d) and will be restarted" % lifeline.stopping
     cause = lifeline.cause
-    what = "%s: %s" % (cause.__class__.__name__, _one_line(cause)) if cause else "unknown"
+    what = cause.__class__.__name__ if cause is not None else "unknown"
     return "generation thread died (%s); the server is restarting" % what
 
 
