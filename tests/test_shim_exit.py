@@ -337,3 +337,27 @@ def test_a_death_tells_clients_its_type_and_the_report_a_redacted_message(
         "cannot decode '<redacted 57 chars>' at [<redacted 20 numbers>]")
     assert "_generate" in exception["traceback"]  # the frames stay
     assert exception["traceback"].endswith("builtins.ValueError: " + exception["message"] + "\n")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("shim_fault,extra,said", [
+    ("reaper-start", {}, "cannot start the exit thread (RuntimeError: can't start new thread); "
+                         "exiting from the dying thread"),
+    ("plan", {"MLX_HOTFIX_RECOVER": "thread"},
+     "the exit path failed (RuntimeError: injected: the recovery plan failed); exiting 70"),
+])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_death_path_ends_in_the_exit_whatever_fails_on_it(servers, tiny_llama, tmp_path,
+                                                             version, shim_fault, extra, said):
+    # Without the guard the reaper never runs (or dies), and the process stays a
+    # 503 zombie: the failure of #1505 itself.
+    arm = tmp_path / "arm"
+    env = dict(fault_env("raise:slice:decode:1", arm), MLX_TEST_SHIM_FAULT=shim_fault, **extra)
+    server = servers(version, tiny_llama, env=env)
+    server.warm_up()
+    arm.touch()
+    request = BackgroundRequest(lambda: server.chat("x", max_tokens=20, timeout=CLIENT_TIMEOUT))
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
+    _assert_503_json(request)
+    assert "mlx-hotfix: " + said in server.hotfix_lines(), server.hotfix_lines()
+    assert "ValueError: Slice indices must be 32-bit integers." in server.log()

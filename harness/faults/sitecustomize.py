@@ -28,6 +28,15 @@ set, so a test can warm the server up first.
 MLX_TEST_FAULT_ONESHOT=1 makes a fault strike once per arming: it removes
 the arm file and starts counting afresh (a test arms it again for the next).
 
+MLX_TEST_SHIM_FAULT selects one fault on the shim's own path (which must
+never fail):
+
+    reaper-start   the exit part's reaper thread cannot start (threading.Thread
+                   .start raises "can't start new thread" for mlx-hotfix-exit)
+    plan           the recover part's plan raises (with MLX_HOTFIX_RECOVER=thread)
+    stop-once      GenerationContext.stop raises once, on the disconnect watcher
+                   thread (the first client it sees hang up)
+
 Traces, independent of any fault:
     MLX_TEST_TRACE_LOADS=1       one stderr line ``mlx-test-trace: model load``
                                  per ModelProvider._load (a real load from disk)
@@ -218,6 +227,52 @@ def _stamp_deaths(generate):
     owner.next = next
 
 
+def _refuse_thread(name):
+    import threading
+
+    original = threading.Thread.start
+
+    def start(self):
+        if self.name == name:
+            sys.stderr.write("mlx-test-fault: cannot start thread %s\n" % name)
+            raise RuntimeError("can't start new thread")
+        return original(self)
+
+    threading.Thread.start = start
+
+
+def _raise_in_plan(_server):
+    from mlx_hotfix.patches import recover
+
+    def plan(self, exc, during_startup):
+        raise RuntimeError("injected: the recovery plan failed")
+
+    recover.Recovery.plan = plan
+
+
+def _raise_in_stop_once(server):
+    import threading
+
+    owner = server.GenerationContext
+    original = owner.stop
+    struck = []
+
+    def stop(self):
+        if not struck and threading.current_thread().name == "mlx-hotfix-disconnect":
+            struck.append(True)
+            raise RuntimeError("injected: ctx.stop failed")
+        return original(self)
+
+    owner.stop = stop
+
+
+_SHIM_FAULTS = {
+    "reaper-start": None,  # installed at once: threads are not in a module we wait for
+    "plan": _raise_in_plan,
+    "stop-once": _raise_in_stop_once,
+}
+
+
 def _this_rank():
     wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
     return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
@@ -235,6 +290,14 @@ def _install():
     if _SPEC and _this_rank():
         action, kind, where, after = _parse(_SPEC)
         wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))
+    shim_fault = os.environ.get("MLX_TEST_SHIM_FAULT", "")
+    if shim_fault:
+        if shim_fault not in _SHIM_FAULTS:
+            raise ValueError("MLX_TEST_SHIM_FAULT: unknown fault %r" % shim_fault)
+        if shim_fault == "reaper-start":
+            _refuse_thread("mlx-hotfix-exit")
+        else:
+            wanted.append(("mlx_lm.server", _SHIM_FAULTS[shim_fault]))
     if wanted:
         when_imported = _shim_hooks()
         for name, hook in wanted:
