@@ -128,7 +128,8 @@ def test_a_user_sitecustomize_that_exits_still_exits(envs, tmp_path, user_site, 
     assert "SystemExit: 3" in chained.stderr
 
 
-_NEW_PARTS = "; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied"
+_NEW_PARTS = ("; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied; "
+              "validate applied")
 EXPECTED_STATUS = {
     "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; heartbeat applied; extend applied; "
                "advance applied" + _NEW_PARTS),
@@ -197,7 +198,7 @@ def test_disable_list_and_unknown_names(envs):
     lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
-        "known names: exit, heartbeat, extend, advance, recover, disconnect",
+        "known names: exit, heartbeat, extend, advance, recover, disconnect, validate",
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
         "advance disabled" + _NEW_PARTS,
     ]

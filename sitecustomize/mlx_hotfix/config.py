@@ -26,7 +26,7 @@ exponent ("2.5", "1e3"); anything else is named on stderr and the default used.
 import os
 import re
 
-PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect")
+PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "validate")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 # int() and float() also take "1_0" (as 10), "٧٠" (Arabic-Indic digits), and

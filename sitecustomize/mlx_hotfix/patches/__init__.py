@@ -29,9 +29,9 @@ import sys
 
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
-from . import advance, disconnect, exit_on_death, extend, heartbeat, recover
+from . import advance, disconnect, exit_on_death, extend, heartbeat, recover, validate
 
-PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect)
+PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, validate)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
