@@ -237,6 +237,23 @@ def test_every_field_that_would_kill_is_refused_400_naming_it(started, version):
     assert server.alive() and DIED not in server.log()
 
 
+def test_before_the_model_is_loaded_the_vocabulary_comes_from_its_config(servers, tiny_llama,
+                                                                         tmp_path):
+    from harness.server import BackgroundRequest
+    from tests.conftest import fault_env
+
+    release = tmp_path / "release"
+    env = dict(fault_env("hold:load"), MLX_TEST_FAULT_RELEASE_FILE=str(release))
+    server = servers("0.32.2", tiny_llama, env=env)
+    server.wait_listening()
+    early = post(server, CHAT, chat_body(logit_bias={"300": 1}))  # config.json: 300 tokens
+    assert early.status_code == 400 and "(0 to 299)" in early.json()["error"]["message"]
+    assert post(server, TEXT, text_body(prompt="")).status_code == 400
+    waiting = BackgroundRequest(lambda: post(server, CHAT, chat_body(logit_bias={"299": 1})))
+    release.touch()
+    assert waiting.join(TIMEOUT) and waiting.status == 200, waiting
+
+
 # -- the fuzz ----------------------------------------------------------------------
 
 FUZZ_SEED = 18
