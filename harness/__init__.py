@@ -15,6 +15,7 @@ the root (``python -m bench.throughput``, ``python -m scripts.demo``).
     repro.py         the upstream two-request ``extend`` crash
     advance_probe.py measures ArraysCache.advance, stock or patched (a script)
     haproxy.py       a real haproxy in front of the server (health-check tests)
+    fuzz.py          hostile request bodies, deterministic from a seed
     faults/          the fault injector: a sitecustomize folder for PYTHONPATH
 """
 
