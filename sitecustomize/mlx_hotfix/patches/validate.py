@@ -82,7 +82,7 @@ role_mapping           null or an object
 tools                  null or a list of objects
 prompt (text)          a string that the model's tokenizer does not encode to
                        no tokens ("Sequence N has an empty prompt": death)
-n                      an integer >= 1 (stock ignores it: one choice)
+n                      null or an integer >= 1 (stock ignores it: one choice)
 response_format        null, or an object with a string type (stock ignores it)
 tool_choice            null, a string or an object (stock ignores it)
 
@@ -289,7 +289,7 @@ def _check_prompt(handler, body, vocabulary):
 
 def _check_ignored(body):
     """Fields stock ignores: only their JSON types."""
-    if "n" in body:
+    if body.get("n") is not None:
         _int(body["n"], "n", low=1)
     response_format = body.get("response_format")
     if response_format is not None:
