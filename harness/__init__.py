@@ -17,6 +17,7 @@ the root (``python -m bench.throughput``, ``python -m scripts.demo``).
     extract_probe.py measures ArraysCache.extract, stock or patched (a script)
     haproxy.py       a real haproxy in front of the server (health-check tests)
     remotehost.py    a second host over a real sshd on 127.0.0.2 (group tests, bench)
+    fuzz.py          hostile request bodies, deterministic from a seed
     faults/          the fault injector: a sitecustomize folder for PYTHONPATH
 """
 

@@ -6,10 +6,13 @@ the shim reaches the server only through PYTHONPATH, as it would for a user.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -45,7 +48,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_scratch: Optional[Path] = None
+
+
+def scratch_report_dir() -> Path:
+    """A private report folder for processes the harness starts without one.
+
+    One per harness process, removed at its exit: a test never writes crash
+    reports or fatal-stack files into the user's real report folder.
+    """
+    global _scratch
+    if _scratch is None:
+        _scratch = Path(tempfile.mkdtemp(prefix="mlx-watchdog-test-reports-"))
+        atexit.register(shutil.rmtree, _scratch, True)
+    return _scratch
+
+
 def base_env(*, shim: bool = True, extra: Optional[Mapping[str, str]] = None) -> dict:
+    """The environment of a process the harness starts: no inherited shim
+    settings, offline, and its own report folder unless extra names one."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -56,6 +77,7 @@ def base_env(*, shim: bool = True, extra: Optional[Mapping[str, str]] = None) ->
     if shim:
         env["PYTHONPATH"] = str(SHIM_DIR)
     env.update(extra or {})
+    env.setdefault("MLX_HOTFIX_REPORT_DIR", str(scratch_report_dir()))
     return env
 
 
@@ -79,7 +101,12 @@ class StockServer:
         self.model = str(model)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = base_env(shim=shim, extra=env)
+        # Its own report folder and heartbeat file unless the test names them.
+        own = {"MLX_HOTFIX_REPORT_DIR": str(Path(log_dir) / f"reports-{self.port}"),
+               "MLX_HOTFIX_HEARTBEAT_FILE": str(Path(log_dir) / f"heartbeat-{self.port}.json")}
+        self.env = base_env(shim=shim, extra={**own, **(env or {})})
+        self.report_dir = Path(self.env["MLX_HOTFIX_REPORT_DIR"])
+        self.heartbeat_file = self.env["MLX_HOTFIX_HEARTBEAT_FILE"] or None
         self.args = list(args)
         self.launch = launch
         self.log_path = Path(log_dir) / f"server-{self.port}.log"

@@ -55,10 +55,15 @@ class WatchdogProcess:
             command += ["--state-file", str(self.state_path)]
         self.argv = [sys.executable, "-m", "mlx_watchdog", *command, *rest]
         self._children: Dict[int, psutil.Process] = {}
+        environment = dict(os.environ if env is None else env)
+        # The watchdog and the servers it starts report into the test's folder,
+        # never the user's, unless the test names one.
+        environment.setdefault("MLX_HOTFIX_REPORT_DIR", str(Path(tmp_path) / f"{name}-reports"))
+        self.report_dir = Path(environment["MLX_HOTFIX_REPORT_DIR"])
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv,
-                env=dict(os.environ if env is None else env),
+                env=environment,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

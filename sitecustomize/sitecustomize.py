@@ -17,7 +17,8 @@ its path, so it must cost nothing where it is not needed:
   goes through, and Python stops as it would without the drop-in.
 
 ``MLX_HOTFIX=0`` makes it inert: ``sys.modules`` and ``sys.meta_path`` end up
-exactly as they would without the folder on the path.
+exactly as they would without the folder on the path. A value that is neither
+on nor off (``MLX_HOTFIX=garbage``) is named on stderr and the shim stays on.
 """
 
 import os
@@ -25,6 +26,7 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _OFF_VALUES = ("0", "false", "no", "off")
+_ON_VALUES = ("", "1", "true", "yes", "on")
 
 def _say(message):
     try:
@@ -131,7 +133,12 @@ class _MlxLmImportTrigger:
 
 
 def _bootstrap():
-    inert = os.environ.get("MLX_HOTFIX", "1").strip().lower() in _OFF_VALUES
+    switch = os.environ.get("MLX_HOTFIX", "1")
+    inert = switch.strip().lower() in _OFF_VALUES
+    if not inert and switch.strip().lower() not in _ON_VALUES:
+        # A typo must not pass for a decision: say what was read and what happens.
+        _say("MLX_HOTFIX=%r is not 0/1 (or false/true, no/yes, off/on); the shim stays on"
+             % switch)
     if inert:
         chained = _run_shadowed_sitecustomize(inert=True)
         if chained is not None:

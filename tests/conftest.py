@@ -7,6 +7,7 @@ weights; each tested mlx-lm release runs in its own venv (scripts/setup-envs).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,38 @@ from harness.server import VERSIONS, StockServer, python_for
 @pytest.fixture(scope="session", autouse=True)
 def _offline():
     os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+# Where a process started without its own report folder would write: the
+# defaults of mlx_hotfix.reports.report_dir under the fake state/home folders.
+def user_report_dirs(state: Path, home: Path) -> list:
+    return [state / "mlx-watchdog" / "reports", home / "Library" / "Logs" / "mlx-watchdog"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_folder_stand_in(tmp_path_factory):
+    """Nothing the suite starts writes into the user's report folder.
+
+    Every test's process gets its own (harness.server.base_env, StockServer,
+    WatchdogProcess); anything else inherits MLX_HOTFIX_REPORT_DIR, set here to
+    a session folder. The user's default folder (XDG_STATE_HOME on Linux,
+    HOME/Library/Logs on macOS) points at a stand-in that must stay empty.
+    """
+    stand_in = tmp_path_factory.mktemp("user-state")
+    saved = {k: os.environ.get(k) for k in ("XDG_STATE_HOME", "MLX_HOTFIX_REPORT_DIR", "HOME")}
+    os.environ["XDG_STATE_HOME"] = str(stand_in / "state")
+    os.environ["MLX_HOTFIX_REPORT_DIR"] = str(tmp_path_factory.mktemp("session-reports"))
+    if sys.platform == "darwin":  # the default there is under HOME
+        os.environ["HOME"] = str(stand_in / "home")
+    yield stand_in
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    leaked = [str(p) for p in user_report_dirs(stand_in / "state", stand_in / "home")
+              if p.exists()]
+    assert not leaked, f"the suite wrote into the user's report folder: {leaked}"
 
 
 @pytest.fixture(scope="session")

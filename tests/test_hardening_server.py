@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+import requests
 
 from harness.server import base_env
 from tests.test_sdnotify_server import FakeSystemd
@@ -247,12 +248,18 @@ def test_exit_grace_zero_still_answers_every_stream(servers, tiny_llama, tmp_pat
     env["MLX_HOTFIX_EXIT_GRACE"] = "0"
     server = servers("0.32.2", tiny_llama, env=env)
     server.warm_up()
-    arm.touch()
     streams = [
-        BackgroundRequest(lambda i=i: server.chat("story %d " % i * 20, max_tokens=200,
+        BackgroundRequest(lambda i=i: server.chat("story %d " % i * 20, max_tokens=4000,
                                                   stream=True, timeout=60), name="s%d" % i)
         for i in range(16)
     ]
+    # Every stream in flight before the fault is armed: a client that had not
+    # even connected when the process exited would be refused, not cut off.
+    deadline = time.monotonic() + 60
+    while requests.get(server.url + "/health", timeout=10).json().get("in_flight", 0) < 16:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    arm.touch()
     assert server.wait_exit(60) == 70, server.log()
     for stream in streams:
         assert stream.join(70), stream

@@ -98,3 +98,61 @@ def test_connected_and_streaming_clients_get_their_whole_answer(servers, tiny_ll
     assert stream.status_code == 200 and events[-1] == "[DONE]"
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert not any(l.startswith(CANCEL_LINE) for l in server.hotfix_lines())
+
+
+WATCHER_FAILED = "mlx-hotfix: the disconnect watcher failed on a hung-up client (RuntimeError: "
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_watcher_survives_a_raising_stop_and_says_so_once(servers, tiny_llama, tmp_path,
+                                                             version):
+    count = tmp_path / "decode-steps"
+    server = servers(version, tiny_llama, args=ONE_SLOT,
+                     env=_env(count, MLX_TEST_SHIM_FAULT="stop-once"))
+    server.warm_up()
+    _ask_and_hang_up(server, max_tokens=300)  # its stop() raises
+    deadline = time.monotonic() + 120
+    while not any(l.startswith(WATCHER_FAILED) for l in server.hotfix_lines()):
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    _ask_and_hang_up(server)  # the watcher still watches: this one is stopped
+    assert server.chat("c", max_tokens=1, timeout=300).status_code == 200
+    lines = server.hotfix_lines()
+    assert [l for l in lines if l.startswith(WATCHER_FAILED)] == [
+        WATCHER_FAILED + "injected: ctx.stop failed); it goes on (said once)"]
+    cancelled = [l for l in lines if l.startswith(CANCEL_LINE)]
+    assert len(cancelled) == 1 and cancelled[0].endswith("(1 cancelled so far)"), lines
+    assert _steps(count) < 300 + LONG // 2
+
+
+SELECT_FAILS = """
+import selectors, sys, threading
+sys.path.insert(0, sys.argv[1])
+from mlx_hotfix.patches import disconnect
+
+failures, pauses, done = [5], [], threading.Event()
+
+class FailingSelector:
+    def register(self, *args): pass
+    def select(self):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(9, "Bad file descriptor")
+        done.set()
+        threading.Event().wait()
+
+selectors.DefaultSelector = FailingSelector
+disconnect._pause = pauses.append
+disconnect._Watcher()
+assert done.wait(60)
+print(pauses)
+"""
+
+
+def test_a_select_that_keeps_failing_is_retried_after_a_growing_pause(envs):
+    from harness.server import run_python
+
+    done = run_python(VERSIONS[-1], SELECT_FAILS, shim=False, args=[str(SHIM_DIR)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0.05, 0.1, 0.2, 0.4, 0.8]"
+    assert done.stderr.count("the disconnect watcher failed on select (OSError") == 1

@@ -129,7 +129,7 @@ def test_a_user_sitecustomize_that_exits_still_exits(envs, tmp_path, user_site, 
 
 
 _NEW_PARTS = ("; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied; "
-              "prompt_cache_bytes applied; extract applied; "
+              "prompt_cache_bytes applied; extract applied; validate applied; "
               "admission applied (max queue off, queue timeout off, request timeout off)")
 _DRAIN = "; drain applied (at most 25s); socket applied"
 EXPECTED_STATUS = {
@@ -149,6 +149,44 @@ def test_one_status_line_when_the_server_module_loads(envs, version):
     assert lines == ["mlx-hotfix: " + EXPECTED_STATUS[version]]
 
 
+LAUNCH_FORMS = ("mlx_lm.server", "python -m mlx_lm server", "python -m mlx_lm.server", "script")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_launch_form_gets_every_part(envs, tmp_path, version):
+    # --help ends main() at once: the parts apply as main() starts, in every form.
+    from harness.server import StockServer
+
+    lines = {}
+    for launch in LAUNCH_FORMS:
+        server = StockServer(version, tmp_path / "no-model", tmp_path, launch=launch,
+                             env={"MLX_HOTFIX_RECOVER": "thread"})
+        done = subprocess.run(server.command() + ["--help"], env=server.env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (launch, done.stderr)
+        lines[launch] = [l for l in done.stderr.splitlines() if l.startswith("mlx-hotfix:")]
+    expected = ["mlx-hotfix: " + EXPECTED_STATUS[version].replace(
+        "recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70)",
+        "recover applied (mode thread, at most 3 in 600 s)")]
+    assert lines == {launch: expected for launch in LAUNCH_FORMS}
+
+
+def test_crash_reports_are_armed_in_a_server_only(envs, tmp_path):
+    # A notebook or mlx_lm.generate with the shim on its path: no faulthandler
+    # redirection, no report folder, nothing folded onto its stderr.
+    reports = tmp_path / "reports"
+    code = "import faulthandler, mlx_lm.generate; print(faulthandler.is_enabled())"
+    plain = run_python("0.31.3", code, env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() == "False" and not reports.exists()
+    code = ("import faulthandler, os, mlx_lm.server; print(faulthandler.is_enabled(), "
+            "os.path.exists(os.path.join(os.environ['MLX_HOTFIX_REPORT_DIR'], "
+            "'stacks-%d.txt' % os.getpid())))")
+    server = run_python("0.31.3", code, env={"MLX_HOTFIX_REPORT_DIR": str(reports)})
+    assert server.returncode == 0, server.stderr
+    assert server.stdout.strip() == "True True"
+
+
 def test_no_status_line_for_mlx_lm_outside_the_server(envs):
     result = run_python("0.31.3", "import mlx_lm.generate")
     assert result.returncode == 0, result.stderr
@@ -163,7 +201,7 @@ def test_disable_list_and_unknown_names(envs):
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
         "known names: exit, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes, "
-        "extract, admission, drain, socket",
+        "extract, validate, admission, drain, socket",
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
         "advance disabled" + _NEW_PARTS + "; drain skipped: needs the exit part (it answers "
         "what is left when the drain ends); socket applied",
@@ -179,6 +217,32 @@ def test_bad_numbers_are_named_and_defaults_used(envs):
     assert ("MLX_HOTFIX_STALL_TIMEOUT='0' is not a number of seconds from 1 to 86400; "
             "using 300.0") in result.stderr
     assert "MLX_HOTFIX_EXIT_GRACE='soon' is not a number of seconds" in result.stderr
+
+
+def test_only_plain_decimal_numbers_are_read(envs):
+    # int() reads "1_0" as 10 and "٧٠" as 70; float() reads "nan": none is a setting.
+    result = run_python("0.31.3", "import mlx_lm",
+                        env={"MLX_HOTFIX_EXIT_CODE": "1_0", "MLX_HOTFIX_EXIT_GRACE": "2_5",
+                             "MLX_HOTFIX_STALL_TIMEOUT": "nan",
+                             "MLX_HOTFIX_RECOVER_LIMIT": "\u0667\u0660",
+                             "MLX_HOTFIX_HEARTBEAT_INTERVAL": "1e1"})
+    assert result.returncode == 0, result.stderr
+    assert "MLX_HOTFIX_EXIT_CODE='1_0' is not an integer from 1 to 255; using 70" in result.stderr
+    assert "MLX_HOTFIX_EXIT_GRACE='2_5' is not a number of seconds" in result.stderr
+    assert "MLX_HOTFIX_STALL_TIMEOUT='nan' is not a number of seconds" in result.stderr
+    assert "MLX_HOTFIX_RECOVER_LIMIT='\u0667\u0660' is not an integer" in result.stderr
+    assert "HEARTBEAT_INTERVAL" not in result.stderr  # 1e1 is plain: 10 s
+
+
+def test_a_switch_that_is_neither_on_nor_off_is_named_and_the_shim_stays_on(envs):
+    result = run_python("0.31.3", "import mlx_lm.server", env={"MLX_HOTFIX": "garbage"})
+    assert result.returncode == 0, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.startswith("mlx-hotfix:")]
+    assert lines[0] == ("mlx-hotfix: MLX_HOTFIX='garbage' is not 0/1 (or false/true, no/yes, "
+                        "off/on); the shim stays on")
+    assert lines[1] == "mlx-hotfix: " + EXPECTED_STATUS["0.31.3"]
+    for quiet in ("1", "on", "", "0", "off"):
+        assert run_python("0.32.2", "pass", env={"MLX_HOTFIX": quiet}).stderr == "", quiet
 
 
 def test_a_target_that_does_not_fit_is_skipped_and_the_server_still_loads(envs, tmp_path):

@@ -8,6 +8,7 @@ harness/faults, armed after warm-up.
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 
 import pytest
@@ -230,7 +231,8 @@ def test_health_and_new_requests_say_503_once_the_thread_is_dead(envs, tiny_llam
     assert outcome["exit_code"] == 70
     assert outcome["health_after"] == 503
     status, body = outcome["late_request"]
-    assert status == 503 and "ValueError: Slice indices" in body["error"]["message"]
+    assert status == 503
+    assert body["error"]["message"] == "generation thread died (ValueError); the server is restarting"
 
 
 NEGATIVE_CONTROL_SCRIPT = textwrap.dedent("""
@@ -284,3 +286,78 @@ def test_exit_switch_off_leaves_stock_behaviour(envs):
     result = run_python("0.31.3", code, env={"MLX_HOTFIX_DISABLE": "exit,heartbeat"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False None False"  # the stock function itself
+
+
+SECRET = "zebra-quartz-lantern"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_death_tells_clients_its_type_and_the_report_a_redacted_message(
+        servers, tiny_llama, tmp_path, version):
+    # An exception that quotes one client's request (here: a fault's text).
+    arm = tmp_path / "arm"
+    env = fault_env("raise:quoted:decode:2", arm)
+    env["MLX_TEST_FAULT_MESSAGE"] = "cannot decode 'client A wrote: %s %s' at [%s]" % (
+        SECRET, SECRET, ", ".join(map(str, range(100, 120))))
+    env["MLX_HOTFIX_EXIT_GRACE"] = "60"
+    server = servers(version, tiny_llama, env=env)
+    server.warm_up()
+    # Half a request: the exit waits for it (within the grace), so /health can be asked.
+    held = socket.create_connection(("127.0.0.1", server.port))
+    held.sendall(b"GET /health HTTP/1.1\r\n")
+    server.warm_up()  # its connection came after the held one: that one is in its handler
+    arm.touch()
+    plain = BackgroundRequest(lambda: server.chat("A", max_tokens=50, timeout=CLIENT_TIMEOUT))
+    stream = BackgroundRequest(
+        lambda: server.chat("B", max_tokens=50, stream=True, timeout=CLIENT_TIMEOUT))
+    assert plain.join(CLIENT_TIMEOUT) and stream.join(CLIENT_TIMEOUT)
+    health = requests.get(f"{server.url}/health", timeout=10)
+    held.sendall(b"\r\n")
+    held.recv(4096)
+    held.close()
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
+
+    sentence = "generation thread died (ValueError); the server is restarting"
+    _assert_503_json(plain)
+    assert plain.json()["error"]["message"] == sentence
+    _assert_stream_ends_with_error(stream)
+    told = sse_events(stream.body)[-1] if stream.status == 200 else stream.json()
+    assert told["error"]["message"] == sentence
+    assert health.status_code == 503 and health.json()["error"] == sentence
+    for answer in (plain.body, stream.body, health.content):
+        assert SECRET.encode() not in answer
+
+    [report_file] = server.report_dir.glob("*-died-*.json")
+    text = report_file.read_text()
+    assert SECRET not in text and "100, 101" not in text
+    exception = json.loads(text)["exception"]
+    assert exception["type"] == "builtins.ValueError" and exception["message_redacted"] is True
+    assert exception["message"] == (
+        "cannot decode '<redacted 57 chars>' at [<redacted 20 numbers>]")
+    assert "_generate" in exception["traceback"]  # the frames stay
+    assert exception["traceback"].endswith("builtins.ValueError: " + exception["message"] + "\n")
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("shim_fault,extra,said", [
+    ("reaper-start", {}, "cannot start the exit thread (RuntimeError: can't start new thread); "
+                         "exiting from the dying thread"),
+    ("plan", {"MLX_HOTFIX_RECOVER": "thread"},
+     "the exit path failed (RuntimeError: injected: the recovery plan failed); exiting 70"),
+])
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_death_path_ends_in_the_exit_whatever_fails_on_it(servers, tiny_llama, tmp_path,
+                                                             version, shim_fault, extra, said):
+    # Without the guard the reaper never runs (or dies), and the process stays a
+    # 503 zombie: the failure of #1505 itself.
+    arm = tmp_path / "arm"
+    env = dict(fault_env("raise:slice:decode:1", arm), MLX_TEST_SHIM_FAULT=shim_fault, **extra)
+    server = servers(version, tiny_llama, env=env)
+    server.warm_up()
+    arm.touch()
+    request = BackgroundRequest(lambda: server.chat("x", max_tokens=20, timeout=CLIENT_TIMEOUT))
+    assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
+    _assert_503_json(request)
+    assert "mlx-hotfix: " + said in server.hotfix_lines(), server.hotfix_lines()
+    assert "ValueError: Slice indices must be 32-bit integers." in server.log()

@@ -156,3 +156,46 @@ def test_ready_and_pings_with_exit_disabled_and_pings_stop_when_stalled(
         assert server.alive()
     finally:
         fake.close()
+
+
+STALL_ORDER = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from mlx_hotfix import heartbeat
+
+announced = []
+heartbeat._announce = lambda stalled, now: announced.append(stalled)
+heartbeat._loop_running, heartbeat._in_flight = True, 1
+start = 1000.0
+heartbeat._progress_mono, heartbeat._beat_mono = start, start + 10**6  # only deliveries decide
+limit = heartbeat.config.current().stall_timeout
+# The keeper decides at a fresh reading; a /health handler read the clock just
+# before and asks now; then the loop, later still.
+heartbeat._check_stall(start + limit + 1)
+heartbeat._check_stall(start + limit - 1)
+heartbeat._check_stall(start + limit + 2)
+# Many threads at once, around the moment of a stall and of its end.
+for round in range(50):
+    base = start + (round + 1) * 10 * limit
+    stalled = round % 2 == 1
+    heartbeat._progress_mono = base - 2 * limit if stalled else base
+    gate = threading.Barrier(4)
+    def ask(offset):
+        gate.wait()
+        for i in range(20):
+            heartbeat._check_stall(base + offset + i / 100)
+    threads = [threading.Thread(target=ask, args=(k / 10,)) for k in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+print(announced[:1], len(announced))
+"""
+
+
+def test_a_stall_is_decided_once_whoever_asks_first(envs):
+    # Three threads ask (the loop, the keeper, /health handlers), each with its
+    # own clock reading: a stale reading must not end a stall it did not see end.
+    from harness.server import SHIM_DIR, run_python
+
+    done = run_python(VERSIONS[-1], STALL_ORDER, shim=False, args=[str(SHIM_DIR)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[True] 51"  # the first stall, then one per change

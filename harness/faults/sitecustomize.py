@@ -24,9 +24,11 @@ step or batch (BatchGenerator.next: every threaded release, 0.28.4 on).
 <kind>: typeerror, resource, slice, broadcast, extract (the death modes users
 reported upstream, with their real messages); gputimeout, penaltybox,
 invalidresource, metaloom (the Metal errors mlx 0.32 raises as RuntimeError);
-ringlost (a ring peer lost, mlx 0.32.1+); or armed: the kind written in the
-arm file, read when the fault strikes, so one server can die of several (write
-the arm file whole, then rename it into place: tests/conftest.py arm_fault).
+ringlost (a ring peer lost, mlx 0.32.1+); quoted: a ValueError whose text is
+MLX_TEST_FAULT_MESSAGE (an exception that quotes request content); or armed:
+the kind written in the arm file, read when the fault strikes, so one server
+can die of several (write the arm file whole, then rename it into place:
+tests/conftest.py arm_fault).
 
 MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
 (set by mlx.launch for each rank of a distributed group) is N.
@@ -45,6 +47,15 @@ tell which signal reached the process. Honours MLX_TEST_FAULT_RANK.
 
 MLX_TEST_FAULT_ONESHOT=1 makes a fault strike once per arming: it removes
 the arm file and starts counting afresh (a test arms it again for the next).
+
+MLX_TEST_SHIM_FAULT selects one fault on the shim's own path (which must
+never fail):
+
+    reaper-start   the exit part's reaper thread cannot start (threading.Thread
+                   .start raises "can't start new thread" for mlx-hotfix-exit)
+    plan           the recover part's plan raises (with MLX_HOTFIX_RECOVER=thread)
+    stop-once      GenerationContext.stop raises once, on the disconnect watcher
+                   thread (the first client it sees hang up)
 
 Traces, independent of any fault:
     MLX_TEST_TRACE_LOADS=1       one stderr line ``mlx-test-trace: model load``
@@ -89,6 +100,7 @@ _MESSAGES = {
     "metaloom": (RuntimeError, "[METAL] Command buffer execution failed: Insufficient Memory "
                  "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)."),
     "ringlost": (RuntimeError, "[ring] connection to a peer was lost"),
+    "quoted": (ValueError, None),  # the text: MLX_TEST_FAULT_MESSAGE
 }
 _ARMED = "armed"  # the kind is the arm file's content
 
@@ -136,7 +148,7 @@ def _error(kind):
         if kind not in _MESSAGES:
             return ValueError("MLX_TEST_FAULT: the arm file names no kind (%r)" % kind)
     error, message = _MESSAGES[kind]
-    return error(message)
+    return error(message or os.environ.get("MLX_TEST_FAULT_MESSAGE", ""))
 
 
 def _strike(action, kind, where, error=None):
@@ -355,6 +367,52 @@ def _ignore_sigterm(trace):
     signal.signal(signal.SIGHUP, on_sighup)
 
 
+def _refuse_thread(name):
+    import threading
+
+    original = threading.Thread.start
+
+    def start(self):
+        if self.name == name:
+            sys.stderr.write("mlx-test-fault: cannot start thread %s\n" % name)
+            raise RuntimeError("can't start new thread")
+        return original(self)
+
+    threading.Thread.start = start
+
+
+def _raise_in_plan(_server):
+    from mlx_hotfix.patches import recover
+
+    def plan(self, exc, during_startup):
+        raise RuntimeError("injected: the recovery plan failed")
+
+    recover.Recovery.plan = plan
+
+
+def _raise_in_stop_once(server):
+    import threading
+
+    owner = server.GenerationContext
+    original = owner.stop
+    struck = []
+
+    def stop(self):
+        if not struck and threading.current_thread().name == "mlx-hotfix-disconnect":
+            struck.append(True)
+            raise RuntimeError("injected: ctx.stop failed")
+        return original(self)
+
+    owner.stop = stop
+
+
+_SHIM_FAULTS = {
+    "reaper-start": None,  # installed at once: threads are not in a module we wait for
+    "plan": _raise_in_plan,
+    "stop-once": _raise_in_stop_once,
+}
+
+
 def _this_rank():
     wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
     return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
@@ -374,6 +432,14 @@ def _install():
         wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))
     if os.environ.get("MLX_TEST_IGNORE_SIGTERM") and _this_rank():
         _ignore_sigterm(os.environ["MLX_TEST_IGNORE_SIGTERM"])
+    shim_fault = os.environ.get("MLX_TEST_SHIM_FAULT", "")
+    if shim_fault:
+        if shim_fault not in _SHIM_FAULTS:
+            raise ValueError("MLX_TEST_SHIM_FAULT: unknown fault %r" % shim_fault)
+        if shim_fault == "reaper-start":
+            _refuse_thread("mlx-hotfix-exit")
+        else:
+            wanted.append(("mlx_lm.server", _SHIM_FAULTS[shim_fault]))
     if wanted:
         when_imported = _shim_hooks()
         for name, hook in wanted:

@@ -25,9 +25,6 @@ def activate():
     for warning in settings.warnings:
         log.say(warning)
     _finder = _hooks.install()
-    from . import reports
-
-    reports.prepare()  # faulthandler stacks on SIGUSR1 and fatal signals; never raises
     from . import patches
 
     patches.register_all()

@@ -22,13 +22,35 @@ MLX_HOTFIX_REQUEST_TIMEOUT=S a request still generating this long after it came 
                              short, finish_reason "length" (default: none)
 MLX_HOTFIX_DRAIN_TIMEOUT=25  the first SIGTERM drains at most this long (0: answer at once)
 MLX_HOTFIX_LAUNCHD_SOCKET=N  serve on launchd's socket N of the job's Sockets (macOS)
+MLX_HOTFIX_REPORT_MESSAGES=1  crash reports keep exception messages whole (by default
+                             anything that looks like request content is redacted)
+
+Numbers are plain decimal: an integer is digits with an optional sign
+("70", not "7_0" or "0x46"), a number of seconds may have a fraction and an
+exponent ("2.5", "1e3"); anything else is named on stderr and the default used.
 """
 
 import os
+import re
 
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "prompt_cache_bytes",
-         "extract", "admission", "drain", "socket")
+         "extract", "validate", "admission", "drain", "socket")
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+# int() and float() also take "1_0" (as 10), "٧٠" (Arabic-Indic digits), and
+# float() "nan" and "inf": a setting is read only when written the plain way.
+_PLAIN = {
+    int: re.compile(r"[+-]?[0-9]+\Z"),
+    float: re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z"),
+}
+
+
+def plain_number(raw, kind):
+    """raw read as kind (int or float) if written as a plain decimal, else None."""
+    if not _PLAIN[kind].match(raw):
+        return None
+    return kind(raw)
+
 
 _current = None
 MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load too
@@ -41,6 +63,7 @@ class Config:
     def __init__(self, environ):
         self.warnings = []
         self.debug = environ.get("MLX_HOTFIX_DEBUG", "").strip().lower() in _TRUE
+        self.report_messages = self._flag(environ, "MLX_HOTFIX_REPORT_MESSAGES")
         self.disabled = self._parse_disable(environ.get("MLX_HOTFIX_DISABLE", ""))
         self.exit_code = self._number(
             environ, "MLX_HOTFIX_EXIT_CODE", 70, int, lambda v: 1 <= v <= 255,
@@ -96,6 +119,14 @@ class Config:
             )
             self.exit_grace = MIN_EXIT_GRACE
 
+    def _flag(self, environ, key):
+        raw = environ.get(key, "").strip().lower()
+        if raw in _TRUE:
+            return True
+        if raw not in _FALSE:
+            self.warnings.append("%s=%r is not 0/1; using 0" % (key, raw))
+        return False
+
     def _choice(self, environ, key, default, choices):
         raw = environ.get(key, "").strip().lower()
         if not raw:
@@ -122,12 +153,9 @@ class Config:
         raw = environ.get(key, "").strip()
         if not raw:
             return default
-        try:
-            value = kind(raw)
-            if valid(value):
-                return value
-        except ValueError:
-            pass
+        value = plain_number(raw, kind)
+        if value is not None and valid(value):
+            return value
         self.warnings.append(
             "%s=%r is not %s; using %s" % (key, raw, expected,
                                           shown if shown is not None else repr(default))

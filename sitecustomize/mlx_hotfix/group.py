@@ -17,7 +17,7 @@ def rank(environ=None):
     environ = os.environ if environ is None else environ
     for key in _RANK_VARIABLES:
         raw = environ.get(key, "").strip()
-        if raw.isdigit():
+        if raw.isascii() and raw.isdigit():  # "²".isdigit() too, which int() refuses
             return int(raw)
     return None
 

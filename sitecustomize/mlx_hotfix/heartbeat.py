@@ -249,19 +249,33 @@ def phase():
     return STALLED if _stalled else SERVING
 
 
+_stall_lock = threading.Lock()
+_stall_decided = 0.0  # the monotonic time of the latest stall decision
+
+
 def _check_stall(now):
-    """Decide the stall at monotonic time now; returns whether stalled."""
-    global _stalled
-    if not _loop_running or _loading or _stopped:
-        stalled = False
-    else:
-        limit = config.current().stall_timeout
-        waiting = _in_flight > 0 and now - _progress_mono > limit
-        silent = now - _beat_mono > limit
-        stalled = waiting or silent
-    if stalled != _stalled:
-        _stalled = stalled
-        _announce(stalled, now)
+    """Decide the stall at monotonic time now; returns whether stalled.
+
+    The loop, the keeper and /health handlers all ask. One decision at a time
+    (the lock), in time order: a caller whose clock reading is older than the
+    latest decision's (read before another thread decided) decides at that
+    time instead, so a stall is never un-decided and announced again by a
+    stale reading. Each change is announced exactly once.
+    """
+    global _stalled, _stall_decided
+    with _stall_lock:
+        now = max(now, _stall_decided)
+        _stall_decided = now
+        if not _loop_running or _loading or _stopped:
+            stalled = False
+        else:
+            limit = config.current().stall_timeout
+            waiting = _in_flight > 0 and now - _progress_mono > limit
+            silent = now - _beat_mono > limit
+            stalled = waiting or silent
+        if stalled != _stalled:
+            _stalled = stalled
+            _announce(stalled, now)
     return stalled
 
 

@@ -7,31 +7,40 @@ or "aborted" (a fatal-stack file of an earlier process, folded in at the next
 start), and later kinds such as "recovered" fit the same shape. Files go to
 MLX_HOTFIX_REPORT_DIR (default ~/Library/Logs/mlx-watchdog/reports on macOS,
 ${XDG_STATE_HOME:-~/.local/state}/mlx-watchdog/reports elsewhere), mode 0600,
-written whole (mkstemp + os.replace); the newest KEEP are kept.
+written whole (mkstemp + os.replace); the newest KEEP are kept. Pruning
+touches only report names (``REPORT_NAME``: ``<date>-<time>-<ms>-<kind>-<pid>.json``,
+as the shim and the watchdog write them), never the report just written.
 
 Never in a report: prompt or completion text, API keys. A request is
 described by its shape only (prompt token count, max_tokens, stream,
 sampling fields).
 
-Stacks on demand: prepare() registers faulthandler for SIGUSR1 (all threads)
+Stacks on demand: prepare(), called once when the process turns out to be a
+server (mlx_lm.server imported or run as __main__; never on a plain
+``import mlx_lm``), registers faulthandler for SIGUSR1 (all threads)
 into ``stacks-<pid>.txt`` in the report dir, which works even when the hung
 thread holds the GIL in native code, and faulthandler.enable() into
 ``fatal-<pid>.txt``, so systemd's WatchdogSignal=SIGABRT leaves the stacks
-there too. The watchdog sends SIGUSR1 only to a pid whose stacks file
-exists (without the handler, SIGUSR1 would kill the process).
+there too. Both are created under a random name and renamed into place
+(_files.create_private), so a symlink planted under either name is
+replaced, never followed; folding reads only regular files (O_NOFOLLOW).
+The watchdog sends SIGUSR1 only to a pid whose stacks file exists (without
+the handler, SIGUSR1 would kill the process).
 
 write_report never raises: a report is evidence, never a new way to fail.
 """
 
 import json
 import os
+import re
 import sys
 import threading
 import time
 
-from ._files import write_atomically
+from ._files import create_private, read_regular, write_atomically
 
 KEEP = 50
+REPORT_NAME = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9]{3}-[a-z][a-z_]*-[0-9]+\.json\Z")
 SCHEMA = 1
 _STACKS_PREFIX = "stacks-"
 _FATAL_PREFIX = "fatal-"
@@ -165,8 +174,7 @@ def _heartbeat():
 
         path = config.current().heartbeat_file
         if path:
-            with open(path) as handle:
-                counters["file"] = json.loads(handle.read(8192))
+            counters["file"] = json.loads(read_regular(path, 8192))
     except Exception:  # noqa: BLE001
         pass
     return counters
@@ -226,15 +234,76 @@ def instance():
     }
 
 
-def _exception(exc):
-    if exc is None:
-        return None
+# What in an exception's text looks like request content (README, "Reports").
+_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,40}\Z")  # 'list', 'NoneType', 'role': code
+_NUMBERS = re.compile(r"-?[0-9]+(?:\s*,\s*-?[0-9]+){7,}")  # token ids
+_LONG_RUN = re.compile(r"\S{41,}")
+_MESSAGE_LIMIT = 1000
+
+
+def redact_message(text):
+    """text with what looks like request content replaced by '<redacted N chars>':
+    quoted strings (but a single identifier-like word), lists of 8 or more
+    numbers (token ids), unbroken runs of more than 40 characters; then cut to
+    1000 characters."""
+    def quoted(match):
+        body = match.group(0)[1:-1]
+        if _WORD.match(body):
+            return match.group(0)
+        return "%s<redacted %d chars>%s" % (match.group(0)[0], len(body), match.group(0)[0])
+
+    text = _QUOTED.sub(quoted, text)
+    text = _NUMBERS.sub(lambda m: "<redacted %d numbers>" % (m.group(0).count(",") + 1), text)
+    text = _LONG_RUN.sub(lambda m: "<redacted %d chars>" % len(m.group(0)), text)
+    if len(text) > _MESSAGE_LIMIT:
+        text = text[:_MESSAGE_LIMIT] + "<cut: %d chars in all>" % len(text)
+    return text
+
+
+def _type_name(exc):
+    return "%s.%s" % (type(exc).__module__, type(exc).__qualname__)
+
+
+def _format_chain(exc, message_of):
+    """The traceback as Python prints it (the chain of causes, every frame),
+    each exception's text given by message_of(exc)."""
     import traceback
 
+    blocks, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        lines = ["Traceback (most recent call last):\n"] if exc.__traceback__ else []
+        lines += traceback.format_tb(exc.__traceback__)
+        lines.append("%s: %s\n" % (_type_name(exc), message_of(exc)))
+        blocks.append("".join(lines))
+        if exc.__cause__ is not None:
+            blocks.append("\nThe above exception was the direct cause of the following "
+                          "exception:\n\n")
+            exc = exc.__cause__
+        elif exc.__context__ is not None and not exc.__suppress_context__:
+            blocks.append("\nDuring handling of the above exception, another exception "
+                          "occurred:\n\n")
+            exc = exc.__context__
+        else:
+            exc = None
+    return "".join(reversed(blocks))
+
+
+def _exception(exc):
+    """The exception for a report: its type and every frame always; its text
+    redacted (redact_message) unless MLX_HOTFIX_REPORT_MESSAGES=1."""
+    if exc is None:
+        return None
+    from . import config
+
+    whole = config.current().report_messages
+    message_of = str if whole else (lambda e: redact_message(str(e)))
     return {
-        "type": "%s.%s" % (type(exc).__module__, type(exc).__qualname__),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "type": _type_name(exc),
+        "message": message_of(exc),
+        "message_redacted": not whole,
+        "traceback": _format_chain(exc, message_of),
     }
 
 
@@ -281,11 +350,19 @@ def report_name(kind, pid, when):
     return "%s-%03d-%s-%d.json" % (stamp, int((when % 1) * 1000), kind, pid)
 
 
-def prune(directory, keep=KEEP):
-    """Keep the newest `keep` reports (by name: they start with their time)."""
-    names = sorted(n for n in os.listdir(directory)
-                   if n.endswith(".json") and not n.startswith("."))
-    for name in names[:-keep] if keep else names:
+def report_names(directory):
+    """The names of the reports in directory, oldest first (they start with their time).
+
+    Only names as reports are written (REPORT_NAME): other files are not ours.
+    """
+    return sorted(n for n in os.listdir(directory) if REPORT_NAME.match(n))
+
+
+def prune(directory, keep=KEEP, written=None):
+    """Keep the newest `keep` reports, and always `written` (the one just written)."""
+    names = [n for n in report_names(directory) if n != written]
+    room = max(0, keep - (1 if written else 0))
+    for name in names[:max(0, len(names) - room)]:
         try:
             os.unlink(os.path.join(directory, name))
         except OSError:
@@ -305,8 +382,9 @@ def write_report(kind, *, exc=None, extra=None):
         repeated = _count_repeat(directory, report)
         if repeated is not None:
             return repeated
-        path = write_json(directory, report_name(kind, report["pid"], report["time"]), report)
-        prune(directory)
+        name = report_name(kind, report["pid"], report["time"])
+        path = write_json(directory, name, report)
+        prune(directory, written=name)
         return path
     except BaseException as error:  # noqa: BLE001 - evidence must never kill anything
         try:
@@ -375,25 +453,30 @@ def _pid_alive(pid):
     return True
 
 
-def fold_fatal_files(directory=None):
-    """Turn non-empty fatal-stack files of dead processes into reports."""
+def fold_fatal_files(directory=None, *, before_arming=False):
+    """Turn non-empty fatal-stack files of dead processes into reports.
+
+    before_arming: this process has no files of its own yet, so one named
+    with its pid was left by an earlier process that had the same pid.
+    """
     directory = directory or report_dir()
     written = []
     for name in os.listdir(directory):
         for prefix in (_FATAL_PREFIX, _STACKS_PREFIX):
             if not (name.startswith(prefix) and name.endswith(".txt")):
                 continue
-            try:
-                pid = int(name[len(prefix):-4])
-            except ValueError:
+            digits = name[len(prefix):-4]
+            if not (digits.isascii() and digits.isdigit()):
                 continue
-            if pid == os.getpid() or _pid_alive(pid):
+            pid = int(digits)
+            if pid == os.getpid() and not before_arming:
+                continue
+            if pid != os.getpid() and _pid_alive(pid):
                 continue
             path = os.path.join(directory, name)
             try:
-                with open(path, errors="replace") as handle:
-                    text = handle.read(1 << 20)
-                mtime = os.path.getmtime(path)
+                text = read_regular(path, 1 << 20)
+                mtime = os.lstat(path).st_mtime
                 if prefix == _FATAL_PREFIX and text.strip():
                     kind = "aborted" if "Aborted" in text else "wedged"
                     report = {
@@ -403,10 +486,12 @@ def fold_fatal_files(directory=None):
                         "reason": "the process received a fatal signal (SIGABRT from "
                                   "systemd's WatchdogSignal, or a crash)",
                     }
-                    written.append(write_json(directory, report_name(kind, pid, mtime), report))
+                    written.append(report_name(kind, pid, mtime))
+                    write_json(directory, written[-1], report)
                     from . import log
 
-                    log.say("pid %d left fatal stacks; folded into %s" % (pid, written[-1]))
+                    log.say("pid %d left fatal stacks; folded into %s"
+                            % (pid, os.path.join(directory, written[-1])))
                     # The journal (or the service log) gets them too: the
                     # dying process wrote them to this file, not to stderr.
                     sys.stderr.write(text if text.endswith("\n") else text + "\n")
@@ -415,34 +500,39 @@ def fold_fatal_files(directory=None):
             except OSError:
                 pass
     if written:
-        prune(directory)
-    return written
+        prune(directory, written=written[-1])
+    return [os.path.join(directory, name) for name in written]
+
+
+_prepared = False
 
 
 def prepare():
-    """At activation: fold what earlier processes left, then arm faulthandler.
+    """When a server starts: fold what earlier processes left, then arm faulthandler.
 
-    Never raises; the server starts whatever happens here.
+    Once per process. Never raises; the server starts whatever happens here.
     """
+    global _prepared
+    if _prepared:
+        return
+    _prepared = True
     try:
         import faulthandler
         import signal
 
         directory = _ensure_dir(report_dir())
         try:
-            fold_fatal_files(directory)
+            fold_fatal_files(directory, before_arming=True)
         except OSError:
             pass
-        fatal = open(fatal_path(directory=directory), "w")
-        os.chmod(fatal.name, 0o600)
+        fatal = create_private(fatal_path(directory=directory))
         _files.append(fatal)
         # Into the file even under PYTHONFAULTHANDLER=1 (stderr, the journal):
         # the next start folds it into a report and names it on stderr.
         faulthandler.enable(file=fatal, all_threads=True)
         sigusr1 = getattr(signal, "SIGUSR1", None)
         if sigusr1 is not None:
-            stacks = open(stacks_path(directory=directory), "w")
-            os.chmod(stacks.name, 0o600)
+            stacks = create_private(stacks_path(directory=directory))
             _files.append(stacks)
             faulthandler.register(sigusr1, file=stacks, all_threads=True, chain=False)
         import atexit
@@ -471,7 +561,6 @@ def _cleanup(directory):
 def count_reports(directory=None):
     """How many reports the directory holds (for metrics)."""
     try:
-        return sum(1 for n in os.listdir(directory or report_dir())
-                   if n.endswith(".json") and not n.startswith("."))
+        return len(report_names(directory or report_dir()))
     except OSError:
         return 0

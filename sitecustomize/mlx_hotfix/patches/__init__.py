@@ -30,9 +30,15 @@ import sys
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
 from . import (admission, advance, disconnect, drain, exit_on_death, extend, extract, heartbeat,
-               held_socket, prompt_cache_bytes, recover)
+               held_socket, prompt_cache_bytes, recover, validate)
 
 # Applied in this order; each wraps what the ones before it wrapped.
+# - validate wraps only what no other part wraps (APIHandler.do_POST and
+#   validate_model_parameters, which stock's do_POST calls once the body is
+#   read, before handle_completion), so its place changes nothing at run
+#   time; it stands with the parts that gate a request, first: a bad request
+#   is answered 400 in the HTTP handler before drain's check and before
+#   admission's line (it never queues, never counts as in flight).
 # - admission wraps a request outside every part but drain: a request waits
 #   in its line before any other part (or stock) sees it.
 # - drain comes after exit (it needs the exit part's stop) and heartbeat (it
@@ -43,7 +49,7 @@ from . import (admission, advance, disconnect, drain, exit_on_death, extend, ext
 # - socket only replaces the listener's bind (no request passes it): its
 #   place is free.
 PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes,
-           extract, admission, drain, held_socket)
+           extract, validate, admission, drain, held_socket)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
@@ -141,6 +147,29 @@ def report_status(_module=None):
     log.say(status_line())
 
 
+def server_loaded(_module=None):
+    """This process is a server: arm the crash reports (faulthandler into the
+    report folder, folding what earlier servers left), then the status line.
+    Only here, never on a plain ``import mlx_lm``: a notebook or
+    ``mlx_lm.generate`` with the shim on its path gets neither."""
+    from .. import reports
+
+    reports.prepare()  # never raises
+    report_status()
+
+
+_wanted = []  # the parts switched on, in PATCHES order
+
+
+def apply_to_server_main(namespace):
+    """``python -m mlx_lm.server`` (see _launch): every wanted part whose
+    TARGET is the server module, applied to the ``__main__`` namespace."""
+    for patch in _wanted:
+        if patch.TARGET == SERVER_MODULE:
+            try_apply(patch, namespace)
+    server_loaded(namespace)
+
+
 def register_all():
     settings = config.current()
     for patch in PATCHES:
@@ -151,8 +180,9 @@ def register_all():
         if off:
             status[patch.NAME] = off
             continue
+        _wanted.append(patch)
         _hooks.when_imported(patch.TARGET, lambda module, p=patch: try_apply(p, module))
-    _hooks.when_imported(SERVER_MODULE, report_status)
-    from . import main_module
+    _hooks.when_imported(SERVER_MODULE, server_loaded)
+    from .. import _launch
 
-    main_module.watch_for_server_as_main()
+    _launch.watch_for_server_as_main(apply_to_server_main)

@@ -22,6 +22,10 @@ Each cancelled request is one stderr line, a count (``cancelled_count()``,
 crash reports) and a call to ``heartbeat.cancelled()`` where the heartbeat
 has it.
 
+The watcher outlives anything one request does: an exception (a raising
+``ctx.stop()``, say) is said once on stderr and it watches on; a select()
+that keeps failing is retried after a pause growing to 1 s, never in a spin.
+
 Test: tests/test_patch_disconnect.py (a 4000-token request whose client
 leaves after 0.5 s is stopped on both releases; a client that stays gets its
 whole answer; a streaming client is unaffected).
@@ -29,6 +33,7 @@ whole answer; a streaming client is unaffected).
 
 import socket
 import threading
+import time
 
 from .. import heartbeat, log
 from .._wrap import _MARK
@@ -92,9 +97,11 @@ class _Waiting:
 
     def _cancel(self, ctx):
         global _cancelled
-        ctx.stop()
-        if self.queue is not None:
-            self.queue.put(_HUNG_UP)
+        try:
+            ctx.stop()
+        finally:  # whatever stop() does, the handler waiting for the answer wakes
+            if self.queue is not None:
+                self.queue.put(_HUNG_UP)
         with _count_lock:
             _cancelled += 1
             total = _cancelled
@@ -131,6 +138,7 @@ class _Watcher:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._events = selectors.EVENT_READ
+        self._said = False
         self._thread = threading.Thread(target=self._run, name="mlx-hotfix-disconnect",
                                         daemon=True)
         self._thread.start()
@@ -151,22 +159,47 @@ class _Watcher:
                 pass
 
     def _run(self):
+        # The watcher must outlive anything one request does: a failure is
+        # said once and the loop goes on; a select() that keeps failing is
+        # retried after a growing pause (up to _PAUSE_MAX_S), never in a spin.
+        pause = 0.0
         while True:
             try:
                 events = self._selector.select()
-            except OSError:
+                pause = 0.0
+            except OSError as error:
+                pause = min(max(pause * 2, _PAUSE_MIN_S), _PAUSE_MAX_S)
+                self._failed("select", error)
+                _pause(pause)
                 continue
             for key, _ in events:
-                waiting = key.data
-                if waiting is None:
-                    continue
-                closed = _peer_closed(key.fileobj)
-                if closed is None:
-                    continue
-                self.remove(waiting)  # either way: a readable socket would wake us again
-                if closed:
-                    waiting.hung_up()
+                try:
+                    self._look_at(key)
+                except Exception as error:  # noqa: BLE001
+                    self._failed("a hung-up client", error)
 
+    def _look_at(self, key):
+        waiting = key.data
+        if waiting is None:
+            return
+        closed = _peer_closed(key.fileobj)
+        if closed is None:
+            return
+        self.remove(waiting)  # either way: a readable socket would wake us again
+        if closed:
+            waiting.hung_up()
+
+    def _failed(self, what, error):
+        if self._said:
+            return
+        self._said = True
+        log.say("the disconnect watcher failed on %s (%s: %s); it goes on (said once)"
+                % (what, error.__class__.__name__, error))
+
+
+_PAUSE_MIN_S = 0.05
+_PAUSE_MAX_S = 1.0
+_pause = time.sleep  # (a test counts the pauses)
 
 _watcher = None
 _watcher_lock = threading.Lock()

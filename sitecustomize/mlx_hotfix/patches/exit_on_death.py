@@ -105,38 +105,67 @@ class Lifeline:
                 self._idle.notify_all()
 
     # -- the death ------------------------------------------------------------
-    def die(self, generator, exc, during_startup):
-        with self._lock:
-            if self.dead:
-                return
-            self.dead = True
-            self.cause = exc
-            self.died_at = time.monotonic()
-            queues = list(self._queues)
-            self.in_flight = reports.capture_in_flight(self._handlers)  # before the answers
-        heartbeat.stop()  # before the wake-ups below, which are not progress
-        for q in queues:  # wake every waiting client
-            try:
-                q.put(_SENTINEL)
-            except Exception:  # noqa: BLE001
-                pass
-        reaper = threading.Thread(
-            target=self._reap,
-            args=(generator, exc, during_startup),
-            name="mlx-hotfix-exit",
-            daemon=True,
-        )
-        reaper.start()
+    #
+    # The one path that must never fail: whatever raises on it (a thread that
+    # cannot start, a recovery plan, a report), the process ends in os._exit
+    # unless a recovery succeeded. No reaper thread: the dying thread exits.
 
-    def _reap(self, generator, exc, during_startup):
+    def die(self, generator, exc, during_startup):
+        try:
+            with self._lock:
+                if self.dead:
+                    return
+                self.dead = True
+                self.cause = exc
+                self.died_at = time.monotonic()
+                queues = list(self._queues)
+                self.in_flight = reports.capture_in_flight(self._handlers)  # before the answers
+            heartbeat.stop()  # before the wake-ups below, which are not progress
+            for q in queues:  # wake every waiting client
+                try:
+                    q.put(_SENTINEL)
+                except Exception:  # noqa: BLE001
+                    pass
+            reaper = threading.Thread(
+                target=self._reap,
+                args=(generator, exc, during_startup),
+                name="mlx-hotfix-exit",
+                daemon=True,
+            )
+            try:
+                reaper.start()
+            except BaseException as error:  # noqa: BLE001 - "can't start new thread"
+                _say_safely("cannot start the exit thread (%s: %s); exiting from the dying "
+                            "thread" % (error.__class__.__name__, error))
+                _print_traceback(exc)  # stock would print it after we return; we never do
+                self._reap(generator, exc, during_startup, can_recover=False)
+        except BaseException as error:  # noqa: BLE001 - the last resort
+            _exit_now("the exit path failed (%s: %s)" % (error.__class__.__name__, error))
+
+    def _reap(self, generator, exc, during_startup, can_recover=True):
+        recovered, why = False, None
+        try:
+            recovered = self._answer_then_exit(generator, exc, during_startup, can_recover)
+        except BaseException as error:  # noqa: BLE001
+            why = "the exit path failed (%s: %s)" % (error.__class__.__name__, error)
+            try:  # the woken clients are being answered on their own threads
+                self._wait_for_answers(self.died_at + config.current().exit_grace)
+            except BaseException:  # noqa: BLE001
+                pass
+        finally:
+            if not recovered:
+                _exit_now(why)
+
+    def _answer_then_exit(self, generator, exc, during_startup, can_recover):
+        """Answer every client, write the report, then exit (or recover: True)."""
         settings = config.current()
         deadline = self.died_at + settings.exit_grace
         # Let the stock handler (excepthook or logging) print the traceback.
         thread = getattr(generator, "_generation_thread", None)
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
         where = " during start-up (model load)" if during_startup else ""
-        recovery = self.recovery
+        recovery = self.recovery if can_recover else None
         plan = recovery.plan(exc, during_startup) if recovery is not None else None
         log.say(
             "generation thread died%s: %s: %s; %s"
@@ -156,7 +185,7 @@ class Lifeline:
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
         if plan is not None and recovery.recover(generator, exc):
-            return
+            return True
         heartbeat.notify_stopping("generation thread died; exiting")
         _flush_output()
         os._exit(settings.exit_code)
@@ -231,6 +260,34 @@ def _note_known_bad_pair():
     return warning or None
 
 
+def _say_safely(message):
+    try:
+        log.say(message)
+    except BaseException:  # noqa: BLE001 - saying so must not stop the exit
+        pass
+
+
+def _print_traceback(exc):
+    try:
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def _exit_now(why):
+    """os._exit with MLX_HOTFIX_EXIT_CODE (70 if even that cannot be read)."""
+    try:
+        code = config.current().exit_code
+    except BaseException:  # noqa: BLE001
+        code = 70
+    if why:
+        _say_safely("%s; exiting %d" % (why, code))
+    _flush_output()
+    os._exit(code)
+
+
 def _flush_output():
     """Flush stdout and stderr before the process ends without Python's own exit."""
     for stream in (sys.stdout, sys.stderr):
@@ -246,10 +303,13 @@ def _one_line(exc):
 
 
 def error_message():
+    """What every waiting client and /health are told: the exception's type and
+    a fixed sentence, never its text (it may quote another client's request;
+    the text goes to stderr and, redacted, to the crash report)."""
     if lifeline.stopping is not None:
         return "the server is stopping (signal %d) and will be restarted" % lifeline.stopping
     cause = lifeline.cause
-    what = "%s: %s" % (cause.__class__.__name__, _one_line(cause)) if cause else "unknown"
+    what = cause.__class__.__name__ if cause is not None else "unknown"
     return "generation thread died (%s); the server is restarting" % what
 
 
