@@ -255,6 +255,8 @@ def error_message():
 
 
 def _make_watched_queue(base):
+    base_get = base.get  # bound here: get runs once per token
+
     class _WatchedQueue(base):
         """A Queue that wakes its reader with GenerationThreadDied at death."""
 
@@ -263,7 +265,7 @@ def _make_watched_queue(base):
             lifeline.watch_queue(self)
 
         def get(self, block=True, timeout=None):
-            item = super().get(block, timeout)
+            item = base_get(self, block, timeout)
             if item is _SENTINEL:
                 super().put(item)  # any later reader refuses too
                 raise GenerationThreadDied(error_message())
