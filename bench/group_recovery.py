@@ -1,4 +1,4 @@
-"""Distributed group: death to serving and hang to serving, 2-rank group vs one process.
+"""Figure 11: distributed group, death to serving and hang to serving, 2-rank group vs one process.
 
 A real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), run either alone
 or as a 2-rank `mlx.launch -n 2 --backend ring` group on this host, under
@@ -11,29 +11,25 @@ of the group, or the lone server, after a warm-up:
 
 From the fault's `t=` (written just before it acts) to the first one-token
 completion answered 200 (polled every 0.1 s). One run of each, same machine,
-same run; the ratio group/single is the figure.
+same run; the ratio group/single is the figure. --quick changes nothing
+(one run of each is already the least).
 
-    .venvs/mlx-lm-0.32.2/bin/python bench/group_recovery.py [--results-dir DIR]
+    <main python> -m bench.group_recovery [--quick] [--results-dir DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import requests
 
-from bench.common import quiet
-from bench.common import stamp, stamp_line
-from harness import FAULTS_DIR, ROOT
+from bench.common import CLEANUP, Figure, quiet, run_main, table, temp_dir
+from harness import FAULTS_DIR
 from harness.procs import chat, kill_group
 from harness.server import base_env, free_port, python_for
 from harness.tinymodel import build_llama
@@ -70,10 +66,10 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
         "MLX_TEST_FAULT_ARM_FILE": str(arm), "MLX_TEST_FAULT_RANK": "1" if shape == "group" else ""})
     log_path = tmp / f"{kind}-{shape}.log"
     with open(log_path, "wb") as log:
-        sup = subprocess.Popen(
+        sup = CLEANUP.add(subprocess.Popen(
             [str(python), "-m", "mlx_watchdog", "supervise", "--log-format", "json",
              "--state-file", str(tmp / f"{kind}-{shape}.state.json"), "--", *server],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     try:
         if serving_at(url, time.time() + 300) is None:
             return {"error": "never served"}
@@ -93,40 +89,37 @@ def one(kind: str, shape: str, model: Path, tmp: Path) -> dict:
         return {"to_serving_s": None if back is None else round(back - struck, 2)}
     finally:
         kill_group(sup, grace_s=60)  # SIGTERM: the supervisor stops its child first
+        CLEANUP.discard(sup)
 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
-    args = parser.parse_args()
+    fig = Figure("group_recovery", "Figure 11: a fault on rank 1 of a group to serving again",
+                 __doc__)
     os.environ["HF_HUB_OFFLINE"] = "1"
-    figure_stamp = stamp("bench.group_recovery", sys.argv[1:], versions=(VERSION,))
     results = {}
-    with tempfile.TemporaryDirectory(prefix="bench-group-") as folder:
-        tmp = Path(folder)
-        model = build_llama(tmp / "tiny")
-        for kind in FAULTS:
-            for shape in ("single", "group"):
-                results[f"{kind}/{shape}"] = one(kind, shape, model, tmp)
-                print(kind, shape, results[f"{kind}/{shape}"], flush=True)
-    lines = ["## Distributed group: fault on rank 1 to serving again (supervise, defaults)", "",
-             "| fault | single process | 2-rank ring group | group / single |",
-             "|---|---|---|---|"]
+    tmp = temp_dir("bench-group-")
+    model = build_llama(tmp / "tiny")
+    for kind in FAULTS:
+        for shape in ("single", "group"):
+            results[f"{kind}/{shape}"] = one(kind, shape, model, tmp)
+            fig.log(f"{kind} {shape}: {results[f'{kind}/{shape}']}")
+    rows, summary = [], {}
     for kind in FAULTS:
         single = results[f"{kind}/single"].get("to_serving_s")
         grouped = results[f"{kind}/group"].get("to_serving_s")
-        ratio = f"{grouped / single:.2f}x" if single and grouped else "n/a"
-        lines.append(f"| {kind} | {single} s | {grouped} s | {ratio} |")
-    lines += ["", f"_One run each (a single run has no noise estimate: read the ratio as "
-              f"rough), mlx-lm {VERSION}, tiny llama on CPU; {stamp_line(figure_stamp)}._", ""]
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "group_recovery.json").write_text(
-        json.dumps({**figure_stamp, "results": results}, indent=2, default=str) + "\n")
-    (args.results_dir / "group_recovery.md").write_text("\n".join(lines))
-    print("\n".join(lines))
-    return 0
+        ratio = grouped / single if single and grouped else None
+        summary[kind] = {"single_s": single, "group_s": grouped, "group_over_single": ratio}
+        rows.append([kind, f"{single} s", f"{grouped} s",
+                     "n/a" if ratio is None else f"{ratio:.2f}x"])
+    body = table(["fault", "single process", "2-rank ring group", "group / single"], rows)
+    body += (f"\n\nFault on rank 1 (or the lone server) to the first one-token completion "
+             f"answered 200, under `mlx-watchdog supervise` (defaults). One run each (a single "
+             f"run has no noise estimate: read the ratio as rough), mlx-lm {VERSION}, tiny "
+             f"llama on CPU.")
+    fig.write(results, body, summary)
+    return 0 if all("to_serving_s" in r for r in results.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

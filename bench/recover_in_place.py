@@ -46,7 +46,6 @@ from bench.common import (
     table,
     temp_dir,
 )
-from bench.common import git_revision
 from harness.server import base_env, free_port
 
 VERSION = "0.32.2"
@@ -151,7 +150,8 @@ def run_mode(figure: Figure, mode: str, model: Path, tmp: Path, deaths: int) -> 
 
 
 def main() -> int:
-    figure = Figure("recover_in_place", "Recover in place vs exit and restart: death to serving",
+    figure = Figure("recover_in_place",
+                    "Figure 9: recover in place vs exit and restart, death to serving",
                     __doc__, add_arguments=_add_arguments)
     tmp = temp_dir("bench-recover-")
     size = SIZES["quick" if figure.quick else "full"]
@@ -159,7 +159,7 @@ def main() -> int:
     size_gb = sum(p.stat().st_size for p in Path(model).iterdir()) / 1e9
     load_s = load_seconds(model)
     figure.log(f"model {model}: {size_gb:.2f} GB, mlx_lm.load {load_s:.1f} s")
-    results = {"git_revision": git_revision(), "version": VERSION, "fault": FAULT,
+    results = {"version": VERSION, "fault": FAULT,
                "model": dict(size, dtype="float32", size_gb=round(size_gb, 2),
                              load_s=round(load_s, 2)), "modes": {}}
     for mode in MODES:
@@ -178,8 +178,7 @@ def main() -> int:
         f"Death of the generation thread to the first one-token completion answered 200, "
         f"under `mlx-watchdog supervise` (defaults), mlx-lm {VERSION} with the shim. Model: "
         f"random llama, hidden {size['hidden_size']}, {size['num_layers']} layers, float32, "
-        f"{size_gb:.2f} GB; `mlx_lm.load` takes {load_s:.1f} s in a fresh process. "
-        f"Git revision {results['git_revision'].get('revision')}.\n\n"
+        f"{size_gb:.2f} GB; `mlx_lm.load` takes {load_s:.1f} s in a fresh process.\n\n"
         + table(("mode", "death to serving, each (s)", "median", "model loads in the run"),
                 rows)
         + f"\n\nIn place is **{fmt(ratio, 'x', 1)}** faster than exit and restart "
