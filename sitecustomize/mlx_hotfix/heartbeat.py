@@ -352,20 +352,12 @@ def loop_put(kind):
     other hook), and a delivery when kind is set; from any other thread (a
     client queueing its request) it is nothing. The per-token path: one clock
     read and a few counters, the rest once per interval (``_turn_work``)."""
-    global _delivered, _decode_tokens, _prompt_tokens, _last_delivery_mono, _progress_mono
     global _beats, _beat_mono
     if _get_ident() != _generation_ident:
         return
     now = _monotonic()
     if kind is not None:
-        _delivered += 1
-        if kind == TOKEN:
-            _decode_tokens += 1
-        else:
-            _prompt_tokens += 1
-        _last_delivery_mono = _progress_mono = now
-        if _stalled:
-            _check_stall(now)
+        _count_delivery(kind, now)
     if _stopped:
         return
     # loop_iteration()'s body, with the clock already read (one call less per token)
@@ -406,9 +398,12 @@ TOKEN, PROMPT = "token", "prompt"
 def delivered(kind):
     """One item for a client left the generation thread: "prompt" (a prompt
     progress report) or "token" (a generated token)."""
+    _count_delivery(kind, _monotonic())
+
+
+def _count_delivery(kind, now):
     global _delivered, _prompt_tokens, _decode_tokens
     global _last_delivery_mono, _progress_mono
-    now = _monotonic()
     _delivered += 1
     if kind == TOKEN:
         _decode_tokens += 1
