@@ -20,8 +20,16 @@ from pathlib import Path
 from typing import Dict, List
 
 BIN_S = 0.5
-COLOURS = {"stock": "#888888"}
-OTHERS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+# Sides in the order the figure gives them, the baseline first and ours last:
+# the baseline grey, ours blue, anything between in other colours.
+BASELINE, OURS = "#888888", "#1f77b4"
+BETWEEN = ["#ff7f0e", "#2ca02c", "#9467bd"]
+
+
+def colours(n):
+    if n == 1:
+        return [OURS]
+    return [BASELINE] + BETWEEN[:max(0, n - 2)] + [OURS]
 
 
 def rate(requests: List[list], start: float, end: float, bin_s: float = BIN_S):
@@ -46,13 +54,10 @@ def draw(key: str, timeline: Dict, out: Path) -> Path:
     lo = math.floor(min(starts, default=-1.0))
     hi = math.ceil(max(ends, default=1.0)) + BIN_S
     fig, ax = plt.subplots(figsize=(10, 3.8), dpi=120)
-    others = iter(OTHERS)
     peak = 1.0
     drawn = []
-    for label, arm in arms.items():
-        if not arm.get("requests"):
-            continue
-        colour = COLOURS.get(label) or next(others)
+    shown = [(label, arm) for label, arm in arms.items() if arm.get("requests")]
+    for (label, arm), colour in zip(shown, colours(len(shown))):
         # Each side only over the stretch it was watched.
         first = math.floor(min(s for s, _, _ in arm["requests"]) / BIN_S) * BIN_S
         last = max(d for _, d, _ in arm["requests"])
