@@ -56,6 +56,7 @@ _next_write = 0.0
 _next_ping = 0.0  # monotonic; when the loop next offers systemd a WATCHDOG=1
 _notifier = None
 _keeper = None
+_keeper_wake = threading.Event()  # set by resume(): the old keeper ends now, not a tick later
 _epoch = 0  # one per generation loop; a recovery starts the next
 _write_lock = threading.Lock()  # the loop and the keeper share the temp file
 _count_lock = threading.Lock()  # request threads start and finish requests
@@ -450,16 +451,16 @@ def _start_keeper():
     global _keeper
     if _keeper is not None:
         return
-    _keeper = threading.Thread(target=_keep, args=(_epoch,), name="mlx-hotfix-heartbeat",
+    _keeper = threading.Thread(target=_keep, args=(_epoch, _keeper_wake), name="mlx-hotfix-heartbeat",
                                daemon=True)
     _keeper.start()
 
 
-def _keep(epoch):
+def _keep(epoch, wake):
     settings = config.current()
     tick = min(settings.heartbeat_interval, 1.0)
     while not _stopped and epoch == _epoch:
-        time.sleep(tick)
+        wake.wait(tick)
         if _stopped or epoch != _epoch:
             return
         try:
@@ -501,10 +502,12 @@ def resume():
     Until the fresh loop's first pass (which sends READY=1 again), the
     recover part calls ``stand_in()`` so the heartbeat and systemd keep going.
     """
-    global _generation_ident, _loop_running, _stopped, _stalled, _keeper, _epoch
+    global _generation_ident, _loop_running, _stopped, _stalled, _keeper, _epoch, _keeper_wake
     global _progress_mono, _beat_mono
     _epoch += 1  # the old keeper ends; the fresh loop starts its own
     _keeper = None
+    _keeper_wake.set()
+    _keeper_wake = threading.Event()
     _generation_ident = None  # the dead thread's late calls are not progress
     _loop_running = False
     _stalled = False
