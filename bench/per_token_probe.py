@@ -16,6 +16,9 @@ objects; a wrapper's cost is its layer's time minus the next layer's:
           request, one per token);
 - get:    the request thread's ``Queue.get`` the stock handler waits in
           (0.32: ``get(timeout=1.0)``; 0.31: ``get()``);
+- advance: a hybrid model's linear-attention layer per decode step
+          (``ArraysCache.advance(1)`` and one read of ``lengths``), the
+          ``advance`` part against stock's ``-=`` on plain attributes;
 - stream: one item through ``ResponseGenerator.generate``'s stream, the real
           stock ``generate`` (its own ``Queue`` set to ``queue.Queue`` for every
           layer, so only the stream's wrappers differ), per item of a long
@@ -57,7 +60,10 @@ def function_chain(function):
     """[(part or "stock", function)] from the outermost wrapper to stock."""
     chain = []
     while function is not None and len(chain) < 50:
-        chain.append((getattr(function, _MARK, None) or "stock", function))
+        part = getattr(function, _MARK, None)
+        if part is not None and not isinstance(part, str):  # marked, but not by name
+            part = _part_of_module(function)
+        chain.append((part or "stock", function))
         function = getattr(function, "__wrapped__", None)
     return chain
 
@@ -160,6 +166,49 @@ def measure_generation_side(timer, result):
 
         best = timer.run([(i, turn_layer(f)) for i, (_, f) in enumerate(turn_chain)])
         result["turn"] = costs(turn_chain, best)
+
+    measure_advance(timer, result)
+
+
+def measure_advance(timer, result):
+    """A hybrid model's linear-attention layer, once per decode step: ``advance(1)``
+    on its ArraysCache, then its ``lengths`` read (qwen3_next reads it once per
+    step). Stock: the same on an object of stock's class shape (plain attributes,
+    stock's advance, whose ``-=`` adds a graph node per field per step)."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as cache_module
+
+    arrays = cache_module.ArraysCache
+    chain = function_chain(arrays.advance)
+    if len(chain) < 2:
+        return  # the advance part is not applied here
+    stock_advance = chain[-1][1]
+    fields = {"advance": stock_advance, "__module__": __name__}
+    stock_class = type("StockArraysCache", (), fields)  # plain attributes, stock's advance
+
+    def patched():
+        cache = arrays(1, left_padding=[0])
+        cache.lengths = mx.array([8])
+        return cache
+
+    def stock():
+        cache = stock_class()
+        cache.left_padding, cache.lengths = mx.array([0]), mx.array([8])
+        return cache
+
+    def step_layer(make):
+        def setup():
+            cache = make()
+
+            def once(n):
+                for _ in range(n):
+                    cache.advance(1)
+                    lengths = cache.lengths  # noqa: F841 - the read is what is timed
+            return once
+        return setup
+
+    best = timer.run([(0, step_layer(patched)), (1, step_layer(stock))])
+    result["advance"] = costs([(chain[0][0], patched), ("stock", stock)], best)
 
 
 # -- the request thread: get and stream ------------------------------------------
