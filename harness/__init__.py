@@ -16,6 +16,7 @@ the root (``python -m bench.throughput``, ``python -m scripts.demo``).
     advance_probe.py measures ArraysCache.advance, stock or patched (a script)
     extract_probe.py measures ArraysCache.extract, stock or patched (a script)
     haproxy.py       a real haproxy in front of the server (health-check tests)
+    remotehost.py    a second host over a real sshd on 127.0.0.2 (group tests, bench)
     faults/          the fault injector: a sitecustomize folder for PYTHONPATH
 """
 

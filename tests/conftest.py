@@ -75,3 +75,23 @@ def arm_fault(arm_file: Path, kind: str = "") -> None:
     part = arm_file.with_name(arm_file.name + ".part")
     part.write_text(kind)
     os.replace(part, arm_file)
+
+
+@pytest.fixture(scope="session")
+def second_host(tmp_path_factory):
+    """A second host on this machine over a real sshd (harness/remotehost.py),
+    shared by the session; stopped with everything that ran there."""
+    from harness.remotehost import SecondHost, SecondHostUnavailable
+
+    host = SecondHost(tmp_path_factory.mktemp("second-host"))
+    try:
+        host.start()
+    except SecondHostUnavailable as exc:
+        host.stop()
+        if os.environ.get("CI") == "true":
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    try:
+        yield host
+    finally:
+        host.stop()

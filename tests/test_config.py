@@ -228,6 +228,27 @@ def test_bad_instance_name(tmp_path):
     assert 'instances.my model: instance names may hold' in error_for(tmp_path, text)
 
 
+@pytest.mark.parametrize("name, shown", [("a\\n", "a\\x0a"), ("a\\u001b[2J", "a\\x1b[2J"),
+                                         ("-a", "-a")])
+def test_an_instance_name_that_could_forge_a_log_line_is_refused(tmp_path, name, shown):
+    # "$" let "a\n" through: its log lines could forge others; ESC drives terminals.
+    text = minimal().replace("[instances.a]", f'[instances."{name}"]').replace(
+        "[instances.a.restart]", f'[instances."{name}".restart]')
+    message = error_for(tmp_path, text)
+    assert f"instances.{shown}: instance names may hold" in message
+    assert "\n" not in message and "\x1b" not in message
+
+
+def test_supervise_refuses_a_bad_name_and_names_a_v6_url_itself():
+    from mlx_watchdog.config import name_from_url
+
+    result = CliRunner().invoke(main, ["supervise", "--name", "a\nERROR forged", "--",
+                                       "/nonexistent/server"])
+    assert result.exit_code == 2 and "instance names may hold" in result.output
+    assert "'a\\x0aERROR forged'" in result.output
+    assert name_from_url("http://[::1]:8080/v1") == "[::1]:8080"
+
+
 def test_api_key_env(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA_KEY", "from-env")
     config = load_config(write(tmp_path, minimal('api_key_env = "GEMMA_KEY"')))
@@ -258,3 +279,25 @@ def test_watch_check_reports_errors_and_starts_nothing(tmp_path):
     good.write_text(GOOD)
     result = CliRunner().invoke(main, ["watch", "--config", str(good), "--check"])
     assert result.exit_code == 0 and "5 instance(s)" in result.output
+
+
+def test_a_retired_key_still_starts_with_a_warning(tmp_path):
+    # backoff_reset is gone (a start that served ends the backoff): an old
+    # config must still start its watchdog, and say what to remove.
+    path = write(tmp_path, minimal("backoff_reset = 600"))
+    config = load_config(path)
+    assert len(config.instances) == 1
+    assert config.warnings == (f"{path}: instances.a.backoff_reset: no longer used: a start "
+                               "that served ends the backoff at once (the next restart is "
+                               "immediate); remove it",)
+    result = CliRunner().invoke(main, ["watch", "--config", str(path), "--check"])
+    assert result.exit_code == 0 and "backoff_reset: no longer used" in result.stderr
+
+
+def test_supervise_still_takes_the_retired_backoff_reset_with_a_warning(tmp_path):
+    result = CliRunner().invoke(main, [
+        "supervise", "--backoff-reset", "600", "--state-file", str(tmp_path / "state.json"),
+        "--report-dir", str(tmp_path / "reports"), "--url", "http://127.0.0.1:9", "--",
+        str(tmp_path / "no-such-server")])
+    assert result.exit_code == 1 and "cannot run" in result.output  # it got that far
+    assert "--backoff-reset: no longer used" in result.output

@@ -110,7 +110,9 @@ def test_remote_ranks_get_the_shim_and_its_settings_through_env(tmp_path):
     options = command.options
     assert options[:2] == ["--hostfile", path]
     pairs = [options[i + 1] for i, a in enumerate(options) if a == "--env"]
-    assert pairs == ["PYTHONPATH=/there/shim", "MLX_HOTFIX_DISABLE=advance", "HF_HUB_OFFLINE=1"]
+    # mlx.launch exports --env on local ranks too: they keep this machine's shim.
+    assert pairs == ["PYTHONPATH=/there/shim:/here/shim", "MLX_HOTFIX_DISABLE=advance",
+                     "HF_HUB_OFFLINE=1"]
     # Discovered: the same path as this installation's shim.
     command = group.prepare(["mlx.launch", "--hostfile", path, *SERVER], {},
                             private_dir=tmp_path)
@@ -120,6 +122,18 @@ def test_remote_ranks_get_the_shim_and_its_settings_through_env(tmp_path):
     # A local-only group needs nothing: the ranks inherit the environment.
     local = group.prepare(["mlx.launch", "-n", "2", *SERVER], env, private_dir=tmp_path)
     assert "--env" not in local.options
+
+
+def test_the_commands_own_env_for_remote_ranks_stands_with_the_shim_in_front(tmp_path):
+    path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), ("studio-2", "10.0.0.6"))
+    env = {"MLX_HOTFIX_DISABLE": "advance", "HF_HUB_OFFLINE": "1"}
+    command = group.prepare(["mlx.launch", "--hostfile", path, "--env", "PYTHONPATH=/my/libs",
+                             "--env=MLX_HOTFIX_DISABLE=extend", *SERVER],
+                            {**env, "PYTHONPATH": "/here/shim:/my/libs"},
+                            private_dir=tmp_path, remote_shim_path="/there/shim")
+    # mlx.launch exports in order: the last assignment of a name wins.
+    assert command.launch_env() == {"PYTHONPATH": "/there/shim:/my/libs:/here/shim",
+                                    "MLX_HOTFIX_DISABLE": "extend", "HF_HUB_OFFLINE": "1"}
 
 
 def test_this_machines_names_in_a_hostfile_run_locally(tmp_path):
@@ -156,8 +170,10 @@ def test_the_shim_reaches_a_remote_rank_through_the_real_launcher(tmp_path):
     report = ("import os, sys; sys.path.insert(0, os.environ.get('PYTHONPATH', '')); "
               "from mlx_hotfix.group import describe; "
               "print('RANK', describe(), os.environ.get('PYTHONPATH'))")
+    here = tmp_path / "local-libs"  # what the local rank inherits on PYTHONPATH
+    here.mkdir()
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "FAKE_SSH_LOG": str(tmp_path / "ssh.log")}
+           "FAKE_SSH_LOG": str(tmp_path / "ssh.log"), "PYTHONPATH": str(here)}
     command = group.prepare([launcher, "--hostfile", path, "--backend", "ring", "--",
                              python, "-c", report], env, private_dir=tmp_path,
                             remote_shim_path=str(Path(__file__).parents[1] / "sitecustomize"))
@@ -167,7 +183,10 @@ def test_the_shim_reaches_a_remote_rank_through_the_real_launcher(tmp_path):
     shim = str(Path(__file__).parents[1] / "sitecustomize")
     assert len(lines) == 2, result.stdout + result.stderr
     assert lines[0].startswith("RANK rank 0 on ") and lines[1].startswith("RANK rank 1 on ")
-    assert lines[1].endswith(shim), lines  # the remote rank got the shim via --env
+    # The remote rank got the shim via --env; mlx.launch exports it on the
+    # local rank too, which keeps what it inherited after it.
+    assert lines[1].endswith(f"{shim}:{here}"), lines
+    assert lines[0].endswith(f"{shim}:{here}"), lines
 
 
 # -- per-rank heartbeats ---------------------------------------------------------------
@@ -247,22 +266,6 @@ class FakeRun:
         return subprocess.CompletedProcess(argv, 0, out + "\n", "")
 
 
-def test_check_hostfile_finds_unreachable_hosts_and_mismatched_releases(tmp_path):
-    path = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("studio-2", "10.0.0.6"),
-                    ("studio-3", "10.0.0.7"))
-    run = FakeRun(reachable={"studio-2"},
-                  versions={"studio-2": ("0.31.0", "0.31.3", False)})
-    problems = group.check_hostfile(path, python="/v/bin/python", shim_path="/s", run=run)
-    text = "\n".join(problems)
-    assert "studio-3: not reachable by `ssh -o BatchMode=yes studio-3`" in text
-    assert "studio-2: no hotfix shim at /s" in text
-    assert "different releases" in text and "studio-2: mlx 0.31.0, mlx-lm 0.31.3" in text
-    assert not any(c[0] == "ssh" and "localhost" in c for c in run.calls)  # local: no ssh
-    fine = FakeRun(reachable={"studio-2", "studio-3"})
-    assert group.check_hostfile(path, python="/v/bin/python", shim_path="/s", run=fine) == []
-    assert "does not exist" in group.check_hostfile(tmp_path / "missing.json")[0]
-
-
 def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
     python = str(python_for("0.32.2"))
     local = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"))
@@ -282,6 +285,47 @@ def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
     with pytest.raises(GroupError, match="at least two"):
         group.install_options(python=python, hostfile=None, hosts="127.0.0.1", backend=None)
     assert group.install_options(python=python, hostfile=None, hosts=None, backend=None) is None
+
+
+# -- a host name ssh would read as an option (issue 18) ----------------------------------
+
+
+def test_a_host_named_like_an_ssh_option_is_refused_before_ssh_runs(tmp_path):
+    # With the real ssh: "-oProxyCommand=touch FILE" as a host ran the command
+    # here, during `install --dry-run`, with --hosts, and in `doctor --hostfile`.
+    marker = tmp_path / "ran"
+    evil = f"-oProxyCommand=touch {marker}"
+    path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), (evil, "10.0.0.6"))
+    python = str(python_for("0.32.2"))
+    from mlx_watchdog.doctor_hosts import FAIL, check_hosts
+
+    problems = [message for status, message, _ in check_hosts(path, python=python, shim_path="/s")
+                if status == FAIL]
+    assert len(problems) == 1 and "host 1: host name '-oProxyCommand=touch" in problems[0]
+    assert "starts with '-', which ssh reads as an option" in problems[0]
+    with pytest.raises(GroupError, match="starts with '-'"):
+        group.install_options(python=python, hostfile=path, hosts=None, backend=None)
+    with pytest.raises(GroupError, match="--hosts: host name '-oProxyCommand"):
+        group.install_options(python=python, hostfile=None, hosts=f"127.0.0.1,{evil}",
+                              backend=None)
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "model").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_watchdog", "install", "systemd", "--dry-run",
+         "--output-dir", str(tmp_path / "out"), "--model", str(tmp_path / "model"),
+         "--python", python, "--port", "8080", "--offline", "--hostfile", path],
+        env={**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "starts with '-'" in done.stdout + done.stderr
+    assert not marker.exists()
+
+
+def test_every_ssh_we_run_ends_its_options_before_the_host():
+    argv = group.ssh_check_argv("studio-2", "true")
+    assert argv[-3:] == ["--", "studio-2", "true"]
+    with pytest.raises(GroupError):
+        group.ssh_check_argv("-oProxyCommand=x")
 
 
 # -- exec: the launcher's exit 0 after a rank death ---------------------------------------

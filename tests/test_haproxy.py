@@ -188,3 +188,45 @@ def test_loading_backend_gets_no_traffic_until_healthy(
     release.touch()  # the model load carries on
     proxy.wait_status("loading", "UP", timeout=120)
     loop.wait_count(lambda o: o.ok and o.server == "loading", 1, timeout=60)
+
+
+# -- a client that hangs up behind HAProxy (issue 18) ----------------------------------
+
+HUNG_UP = "mlx-hotfix: client hung up: stopped its generation after "
+
+
+def _ask_through_and_hang_up(proxy_url: str, max_tokens: int, after: float) -> None:
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(proxy_url)
+    body = json.dumps({"model": "default_model", "max_tokens": max_tokens, "temperature": 0.0,
+                       "messages": [{"role": "user", "content": "a long story"}]}).encode()
+    with socket.create_connection((parts.hostname, parts.port)) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                       % len(body) + body)
+        time.sleep(after)  # then close: the client gave up
+
+
+@pytest.mark.parametrize("version", VERSIONS[-1:])
+def test_a_client_hang_up_reaches_the_server_through_haproxy(
+        version, servers, tiny_llama, tmp_path, haproxies):
+    # The shim's `disconnect` part stops the generation of a non-streaming
+    # client that hung up. Behind HAProxy, the server's peer is HAProxy: the
+    # hang-up must travel through it (the shipped config's abortonclose).
+    server = servers(version, tiny_llama, args=("--decode-concurrency", "1",
+                                                "--prompt-concurrency", "1"))
+    server.warm_up()
+    proxy = haproxies({"only": server.url})
+    proxy.wait_status("only", "UP")
+    _ask_through_and_hang_up(proxy.url, max_tokens=4000, after=1.0)
+    deadline = time.monotonic() + 120
+    while not any(line.startswith(HUNG_UP) for line in server.hotfix_lines()):
+        assert time.monotonic() < deadline, (
+            "the server never saw the hang-up through HAProxy:\n" + server.log()[-2000:])
+        time.sleep(0.2)
+    stopped_after = int(next(line for line in server.hotfix_lines()
+                             if line.startswith(HUNG_UP))[len(HUNG_UP):].split()[0])
+    assert stopped_after < 2000

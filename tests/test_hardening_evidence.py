@@ -133,6 +133,37 @@ def test_the_listener_check_names_the_holder():
             headless.wait()
 
 
+def test_a_probe_answered_by_another_process_is_no_ok_probe(tmp_path):
+    # The answer came from whoever holds the port, not from our server: no
+    # "last ok probe", mlx_watchdog_up 0, and the backoff is not reset by it.
+    from mlx_watchdog import compose
+    from mlx_watchdog.config import InstanceConfig, RestartConfig
+    from mlx_watchdog.metrics import Metrics
+
+    with FakeServer() as other:
+        headless = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            instance = InstanceConfig(name="a", url=other.url, restart=RestartConfig("none"),
+                                      timeout=5, report_dir=str(tmp_path / "reports"))
+            metrics = Metrics()
+            monitor = compose.build_monitor(instance, action=None, metrics=metrics,
+                                            listener=ListenerCheck(other.url,
+                                                                   lambda: headless.pid))
+            for _ in range(3):
+                monitor.policy.record_restart(monitor.clock())
+            verdict = monitor.tick()
+            record = monitor.record()
+            assert verdict.state == DOWN and "held by another process" in verdict.reason
+            assert record["last_ok_probe"] is None
+            assert record["last_probe"]["status"] != "ok"
+            assert "another process" in record["last_probe"]["reason"]
+            assert 'mlx_watchdog_up{instance="a"} 0.0' in metrics.render().decode()
+            assert monitor.policy.restarts_in_a_row == 3
+        finally:
+            headless.kill()
+            headless.wait()
+
+
 def test_a_second_supervise_on_a_taken_port_is_not_fooled(tmp_path):
     state = tmp_path / "state.json"
     log = tmp_path / "supervisor.log"
@@ -161,3 +192,66 @@ def test_a_second_supervise_on_a_taken_port_is_not_fooled(tmp_path):
         finally:
             os.killpg(proc.pid, 15)
             proc.wait(30)
+
+
+# -- StacksFirst signals only the server's own processes (issue 18) ----------------
+
+def _server_like(reports_dir, env=None):
+    """A real process that dumps its stacks on SIGUSR1 into
+    reports_dir/stacks-<its pid>.txt, as the shim arms a server."""
+    code = (
+        "import faulthandler, os, signal, time\n"
+        f"path = os.path.join({str(reports_dir)!r}, 'stacks-%d.txt' % os.getpid())\n"
+        "faulthandler.register(signal.SIGUSR1, file=open(path, 'a'), all_threads=True)\n"
+        "open(path + '.armed', 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    reports_dir.mkdir(exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    armed = reports_dir / f"stacks-{proc.pid}.txt.armed"
+    wait_for(armed.exists, 60, "the SIGUSR1 handler", armed)
+    return proc
+
+
+def _victim(reports_dir):
+    """Another user's process, say: no SIGUSR1 handler (the signal kills it),
+    and a stacks file planted in its name."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    (reports_dir / f"stacks-{proc.pid}.txt").write_text("")
+    return proc
+
+
+@pytest.mark.parametrize("with_locator", [True, False])
+def test_stacks_first_signals_the_heartbeats_pid_only_when_it_is_the_servers(
+        tmp_path, with_locator):
+    from mlx_watchdog import defaults
+    from mlx_watchdog.config import InstanceConfig, RestartConfig
+    from mlx_watchdog.process import ProcessLocator
+    from mlx_watchdog.watch import StacksFirst
+    from harness.fakes import FakeAction
+
+    reports_dir, beat_file = tmp_path / "reports", tmp_path / "hb.json"
+    env = {**os.environ, defaults.HEARTBEAT_ENV: str(beat_file)}
+    server = _server_like(reports_dir, env=env)
+    victim = _victim(reports_dir)
+    try:
+        instance = InstanceConfig(name="a", url="http://127.0.0.1:9",
+                                  restart=RestartConfig("none"), heartbeat_file=str(beat_file),
+                                  report_dir=str(reports_dir))
+        locator = ProcessLocator(pid=server.pid) if with_locator else None
+        stacks_first = StacksFirst(FakeAction(), instance, locator)
+        _beat(beat_file, victim.pid, time.time())  # written by the server's user
+        stacks_first.restart("wedged")
+        assert victim.poll() is None, "SIGUSR1 killed a process that is not the server's"
+        assert "not" in stacks_first.refused
+        report = json.loads(open(stacks_first.last_report).read())
+        assert report["stacks_refused"] == stacks_first.refused
+        _beat(beat_file, server.pid, time.time())  # the server's own beat: its stacks
+        stacks_first.restart("wedged")
+        assert stacks_first.refused is None
+        report = json.loads(open(stacks_first.last_report).read())
+        assert report["stacks_from"] == [server.pid] and "thread" in report["stacks_text"]
+    finally:
+        for proc in (server, victim):
+            proc.kill()
+            proc.wait()

@@ -263,6 +263,7 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
         "PYTHONPATH": str(env.shim),
         "MLX_HOTFIX_HEARTBEAT_FILE": str(heartbeat),
         "PYTHONUNBUFFERED": "1",
+        "MLX_HOTFIX_INSTANCE": name,
     }
     assert "NOTIFY_SOCKET" not in s["EnvironmentVariables"]
     assert "HF_HUB_OFFLINE" not in s["EnvironmentVariables"]
@@ -870,3 +871,81 @@ def test_python_dash_m_entry_points(tmp_path):
                             str(copy)], capture_output=True, text=True)
     assert check.returncode == 1
     assert "differs: systemd/mlx-8080-server.service" in check.stderr
+
+
+# -- tuning an installed instance (flags, not hand edits the next install loses) ----------
+
+
+def test_install_flags_tune_the_watchdog_and_the_server(env, tmp_path):
+    from mlx_watchdog.config import load_config
+
+    port = free_port()
+    out = tmp_path / "out"
+    result = env.install(
+        "systemd", "--dry-run", "--output-dir", str(out), "--metrics-port", "9464",
+        "--metrics-host", "0.0.0.0", "--probe-interval", "2", "--probe-timeout", "20",
+        "--failures", "4", "--boot-grace", "120", "--heartbeat-timeout", "30",
+        "--max-busy", "0", "--stop-grace", "45",
+        "--env", "MLX_HOTFIX_STALL_TIMEOUT=60", "--env", "MLX_HOTFIX_RECOVER=thread",
+        port=port)
+    assert result.exit_code == 0, result.output
+    name = f"mlx-{port}"
+    config = load_config(out / f"{name}.toml")  # what `watch` reads, validated
+    assert (config.metrics_port, config.metrics_host) == (9464, "0.0.0.0")
+    (inst,) = config.instances
+    assert (inst.interval, inst.timeout, inst.failures, inst.boot_grace) == (2, 20, 4, 120)
+    assert (inst.heartbeat_timeout, inst.max_busy, inst.stop_grace) == (30, 0, 45)
+    unit = (out / f"{name}-server.service").read_text()
+    assert "Environment=MLX_HOTFIX_STALL_TIMEOUT=60" in unit
+    assert "Environment=MLX_HOTFIX_RECOVER=thread" in unit
+    assert f"Environment=MLX_HOTFIX_INSTANCE={name}" in unit
+    # A dry run shows what an install would say: logs, linger, how to check it.
+    assert "logs: journalctl --user" in result.output
+    assert "check it: mlx-watchdog status" in result.output
+    assert "metrics: http://0.0.0.0:9464/metrics" in result.output
+    systemd_verify(tmp_path, [out / f"{name}-server.service"], user=True)
+
+
+def test_install_env_flag_is_checked(env):
+    port = free_port()
+    bad = env.install("systemd", "--dry-run", "--env", "NOEQUALS", port=port)
+    _fails_naming(bad, "--env")
+    reserved = env.install("systemd", "--dry-run", "--env", "PYTHONPATH=/x", port=port)
+    _fails_naming(reserved, "--env")
+    # The shim's own list of its variables (read as data from its config module).
+    (env.shim / "mlx_hotfix").mkdir()
+    (env.shim / "mlx_hotfix" / "config.py").write_text(
+        (Path(__file__).resolve().parents[1] / "sitecustomize/mlx_hotfix/config.py").read_text())
+    typo = env.install("systemd", "--dry-run", "--output-dir", str(env.tmp / "o"),
+                       "--env", "MLX_HOTFIX_STAL_TIMEOUT=5", port=port)
+    assert typo.exit_code == 0
+    assert "did you mean MLX_HOTFIX_STALL_TIMEOUT?" in typo.output
+
+
+def test_install_help_comes_from_the_units_constants():
+    from mlx_watchdog.install import systemd
+
+    text = invoke(["install", "--help"]).output
+    assert "at most 5 starts" not in text
+    assert f"StartLimitIntervalSec={systemd.START_LIMIT_INTERVAL_SEC}" in text
+    assert f"WatchdogSec={systemd.WATCHDOG_SEC}" in text
+    for flag in ("--metrics-port", "--env", "--probe-interval", "--heartbeat-timeout"):
+        assert flag in text
+
+
+def test_launchd_notes_give_a_newsyslog_recipe(env, tmp_path):
+    from mlx_watchdog.install import launchd
+
+    port = free_port()
+    result = env.install("launchd", "--dry-run", "--output-dir", str(tmp_path / "o"), port=port)
+    assert result.exit_code == 0, result.output
+    assert f"/etc/newsyslog.d/mlx-watchdog-mlx-{port}.conf" in result.output
+    # newsyslog.conf(5): logfilename owner:group mode count size when flags.
+    conf = [line.split() for line in result.output.splitlines()
+            if line.strip().endswith(".log  " + "x") or line.strip().endswith("NJ")]
+    assert len(conf) == 4, result.output
+    for fields in conf:
+        path, owner, mode, count, size, when, flags = fields
+        assert path.endswith(".log") and ":" in owner and mode == "640"
+        assert int(count) == launchd.NEWSYSLOG_COUNT and int(size) == launchd.NEWSYSLOG_SIZE_KB
+        assert when == "*" and flags == "NJ"

@@ -4,8 +4,6 @@ definition, run as a process, is a shimmed stock server that serves."""
 from __future__ import annotations
 
 import os
-import plistlib
-import shlex
 import subprocess
 import sys
 import time
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.definitions import read_definition
 from harness.server import free_port, python_for
 
 pytestmark = pytest.mark.server
@@ -37,21 +36,12 @@ def _install(manager: str, tmp_path: Path, python: Path, model: Path, port: int)
 
 def _launchd_server(out: Path):
     (plist_path,) = [p for p in out.glob("*.plist") if p.name.endswith(".server.plist")]
-    plist = plistlib.loads(plist_path.read_bytes())
-    return plist["ProgramArguments"], plist["EnvironmentVariables"]
+    return read_definition(plist_path)
 
 
 def _systemd_server(out: Path):
     (unit,) = out.glob("*-server.service")
-    argv, env = None, {}
-    for line in unit.read_text().splitlines():
-        if line.startswith("ExecStart="):
-            argv = shlex.split(line[len("ExecStart="):])
-        elif line.startswith("Environment="):
-            for assignment in shlex.split(line[len("Environment="):]):
-                key, _, value = assignment.partition("=")
-                env[key] = value
-    return argv, env
+    return read_definition(unit)
 
 
 def _serve(argv, definition_env, tmp_path: Path, port: int) -> str:

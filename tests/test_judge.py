@@ -351,3 +351,50 @@ def test_a_process_seen_to_exit_is_down_at_once_whatever_else_the_evidence_says(
                      exited="exited with code 1"))
         assert (verdict.state, verdict.restart, verdict.cause) == (DOWN, True, EXITED)
         assert verdict.reason == "server exited with code 1"
+
+
+# -- busy and shedding (the shim's admission part refused the probe) ---------------------
+
+BUSY_BODY = "HTTP 503: the server is busy: 2 requests already wait for 1 slot"
+
+
+def shedding(last_delivery_age_s: Optional[float]) -> ProbeResult:
+    return ProbeResult(UNHEALTHY, 0.01, reason=BUSY_BODY, http_status=503, shedding=True,
+                       last_delivery_age_s=last_delivery_age_s)
+
+
+def test_busy_and_shedding_while_delivering_is_busy_however_long_the_storm():
+    # No heartbeat, no CPU figure, an hour of 503s: the answers say tokens flow.
+    verdicts = run([shedding(0.2)] * 720, alive=None)
+    assert set(states(verdicts)) == {BUSY} and not any(v.restart for v in verdicts)
+    assert "busy and shedding load, last delivery 0.2s ago" in verdicts[-1].reason
+    # With the process idle on CPU too: the answer is the better evidence.
+    assert set(states(run([shedding(1.0)] * 10, cpu=CPU_IDLE))) == {BUSY}
+
+
+def test_shedding_without_a_recent_delivery_is_no_proof_of_progress():
+    # Nothing delivered for longer than heartbeat_timeout: taken as a timeout
+    # would be, so CPU decides, or max_busy bounds it.
+    idle = run([shedding(60.0)] * 3, cpu=CPU_IDLE)
+    assert states(idle) == [FAILING, FAILING, WEDGED] and idle[-1].cause == NO_PROGRESS
+    bounded = run([shedding(None)] * 200, alive=None,
+                  config=JudgeConfig(failures=3, max_busy_s=600))
+    assert states(bounded)[:3] == [BUSY] * 3
+    assert bounded[-1].state == WEDGED and bounded[-1].cause == BUSY_TOO_LONG
+
+
+def test_a_plain_503_is_not_shedding():
+    # A 503 that is not the shim's "busy" (a dying server, a proxy) counts as before.
+    plain = ProbeResult(UNHEALTHY, 0.01, reason="HTTP 503: stopping", http_status=503,
+                        last_delivery_age_s=None)
+    assert states(run([plain] * 3, alive=None)) == [FAILING, FAILING, WEDGED]
+
+
+def test_a_wedged_loop_behind_a_busy_answer_is_still_wedged():
+    # The heartbeat outranks the answer: stale or stalled is wedged at once.
+    stale = run([shedding(0.2)], heartbeat=beat(30.0))
+    assert stale[0].state == WEDGED and stale[0].cause == HEARTBEAT_STALE
+    stalled = run([shedding(0.2)], heartbeat=beat(0.5, phase="stalled"))
+    assert stalled[0].state == WEDGED and stalled[0].restart
+    fresh = run([shedding(0.2)] * 10, heartbeat=beat(0.5))
+    assert set(states(fresh)) == {BUSY}

@@ -82,7 +82,8 @@ def test_healthy_tick_reports_everywhere(tmp_path, logs):
     assert record["last_probe"]["status"] == "ok" and record["last_probe"]["latency_s"] == 0.2
     metrics = monitor.metrics.render().decode()
     assert 'mlx_watchdog_up{instance="gemma"} 1.0' in metrics
-    assert 'mlx_watchdog_state{instance="gemma",mlx_watchdog_state="healthy"} 1.0' in metrics
+    assert 'mlx_watchdog_state{instance="gemma",state="healthy"} 1.0' in metrics
+    assert 'mlx_watchdog_state{instance="gemma",state="crash-looping"} 0.0' in metrics
     assert 'mlx_watchdog_probe_latency_seconds_count{instance="gemma"} 1.0' in metrics
     events = [(e["event"], e["instance"]) for e in logs()]
     assert events == [("state", "gemma"), ("state", "gemma")]  # starting, healthy
@@ -182,11 +183,25 @@ def test_format_status():
             }
         }
     }
-    text = format_status(data, now=1000.0, pid_alive=lambda pid: False)
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
     assert "gemma: wedged for 1m40s  http://127.0.0.1:8080" in text
     assert "last probe: unhealthy in 10.00s, 5s ago (timed out)" in text
     assert "restarts: 2, last 10m00s ago (no-progress, ok: ran launchctl)" in text
-    assert "pid 4242) is not running" in text
+    # Its watchdog gone: the row no longer claims a state anyone is watching.
+    text = format_status(data, now=1000.0, pid_alive=lambda pid: False)
+    assert re.search(r"^gemma +stale \(watchdog not running\) 5s ", text, re.M), text
+    assert "pid 4242) is not running; last update 5s ago, when it said wedged" in text
+    assert "status --prune" in text
+
+
+def test_status_reads_stale_and_stopped_records():
+    from mlx_watchdog.state import STALE, STOPPED, shown_state
+
+    record = {"state": "healthy", "updated": 1000.0, "interval_s": 15.0}
+    assert shown_state(record, 1040.0, running=True) == "healthy"
+    assert shown_state(record, 1046.0, running=True) == STALE  # three intervals silent
+    assert shown_state(record, 1001.0, running=False) == STALE  # its writer is gone
+    assert shown_state(dict(record, state=STOPPED), 9999.0, running=False) == STOPPED
 
 
 def test_format_status_is_a_fleet_table():
@@ -211,17 +226,24 @@ def test_format_status_is_a_fleet_table():
                 "daemon_pid": 1,
             },
             "mac3": "garbage",
+            "mac4": {
+                "state": "busy", "since": 990.0, "restarts": 0, "last_ok_probe": 999.0,
+                # The admission part's counts replace the in-flight figure.
+                "server": {"decode_tok_s": 12.0, "in_flight": 1, "running": 1, "queued": 2},
+                "daemon_pid": 1,
+            },
         }
     }
     text = format_status(data, now=1000.0, pid_alive=lambda pid: True)
     lines = text.splitlines()
     assert lines[0].split() == ["INSTANCE", "STATE", "LAST", "OK", "PROBE", "RESTARTS", "DECODE",
                                 "NEWEST", "REPORT"]
-    row = {line.split()[0]: line for line in lines[1:4]}
+    row = {line.split()[0]: line for line in lines[1:5]}
     assert re.search(r"healthy 10m00s +2s ago +1 \(heartbeat-stale 5m00s ago\) +"
                      r"56\.0 tok/s, 2 in flight +crash-1\.json 6m00s ago", row["mac1"])
     assert re.search(r"crash-looping 1m00s +never +6 \(exited 50s ago, FAILED\) +- +-", row["mac2"])
     assert re.search(r"mac3 +malformed record \(not a table\)", row["mac3"])
+    assert re.search(r"busy 10s +1s ago +0 +12\.0 tok/s, 1 running, 2 queued", row["mac4"])
     # The details follow for the instance that is not well, and only for it.
     assert "mac2: crash-looping for 1m00s  http://mac2:8080" in text
     assert "why: exited 70; 6 restarts in 300s: crash loop" in text
@@ -271,6 +293,18 @@ def test_text_log_lines():
     finally:
         setup_logging("text")
     assert "INFO    [gemma] restarted: ran launchctl pid=12" in stream.getvalue()
+
+
+def test_text_log_lines_are_one_line_each_with_control_characters_escaped():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    try:
+        Events("a\nINFO forged").warning("state", "wedged: \x1b[2Jboom\nline two", code=1)
+    finally:
+        setup_logging("text")
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and "\x1b" not in text
+    assert "[a\\x0aINFO forged] state: wedged: \\x1b[2Jboom\\x0aline two code=1" in text
 
 
 # -- Watcher ---------------------------------------------------------------------------
@@ -373,7 +407,9 @@ def test_watch_command_runs_until_sigterm(tmp_path):
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 0, output
-    assert read_state(state)["instances"]["gemma"]["state"] == HEALTHY
+    # A clean stop says so: `status` must not show a healthy instance nobody watches.
+    record = read_state(state)["instances"]["gemma"]
+    assert record["state"] == "stopped" and "watchdog stopped" in record["reason"], record
     assert '"event": "watch"' in output
 
 
@@ -385,7 +421,7 @@ class FakeHeartbeat:
         self.reading = reading
         self.resets = 0
 
-    def sample(self):
+    def observe(self, record):
         return self.reading
 
     def reset(self):
@@ -457,3 +493,101 @@ def test_the_shims_warning_reaches_the_state_file_and_status(tmp_path, logs):
     assert f"  WARNING: {BAD_PAIR}" in text.splitlines()  # shown although healthy
     del data["instances"]["gemma"]["warning"]
     assert "WARNING" not in format_status(data, now=1000.0, pid_alive=lambda pid: True)
+
+
+# -- a start that served ends the backoff (issue 18) ---------------------------
+
+
+@pytest.mark.parametrize("started, delivered, served", [
+    (1001.0, 12, True),  # the new server delivered between probes
+    (1001.0, 0, False),  # loaded, nothing delivered yet
+    (900.0, 12, False),  # the previous process's file
+])
+def test_a_new_server_whose_heartbeat_delivered_ends_the_backoff(tmp_path, started,
+                                                                 delivered, served):
+    from mlx_watchdog.heartbeat import HeartbeatReading
+
+    monitor = make_monitor(tmp_path, [TIMEOUT], action=FakeAction())
+    monitor.started()
+    for _ in range(3):  # three starts that never served
+        monitor.policy.record_restart(monitor.clock())
+    monitor.heartbeat = FakeHeartbeat(HeartbeatReading(
+        age_s=0.5, phase="serving", beats=5, pid=7, started=started, delivered=delivered))
+    assert monitor.tick().state == BUSY  # the probe failed, the loop beats
+    assert monitor.policy.restarts_in_a_row == (0 if served else 3)
+
+
+def test_a_watch_thread_survives_a_failing_start_and_says_each_failure_once(logs):
+    # monitor.started() raising used to end the thread, unnoticed: the
+    # instance was never watched again. Every failure is said once.
+    ticks = threading.Event()
+
+    class Failing:
+        state = None
+
+        def __init__(self):
+            self.name = "a"
+            self.events = Events("a")
+            self.starts = self.calls = 0
+
+        def started(self):
+            self.starts += 1
+            if self.starts == 1:
+                raise RuntimeError("the state file is broken")
+
+        def tick(self):
+            self.calls += 1
+            if self.calls >= 5:
+                ticks.set()
+            raise ValueError("a bug in every tick")
+
+    monitor = Failing()
+    watcher = Watcher({"a": monitor}, {"a": 0.01})
+    thread = threading.Thread(target=watcher.run)
+    thread.start()
+    try:
+        assert ticks.wait(30), "the monitor thread died"
+    finally:
+        watcher.request_stop()
+        thread.join(10)
+    errors = [e for e in logs() if e["event"] == "error"]
+    assert [e["exception"].splitlines()[-1] for e in errors] == [
+        "RuntimeError: the state file is broken", "ValueError: a bug in every tick"]
+
+
+def test_probes_piling_up_on_the_server_are_said_once_per_run(tmp_path, logs):
+    abandoned = ProbeResult(UNHEALTHY, 10.0, reason="timed out after 10s", abandoned=True)
+    monitor = make_monitor(tmp_path, [abandoned, abandoned, abandoned, GOOD, abandoned,
+                                      abandoned], cpu=2.0, failures=100)
+    for _ in range(6):
+        monitor.tick()
+    said = [e["message"] for e in logs() if e["event"] == "probe"]
+    assert len(said) == 2  # the second abandoned probe of each run
+    assert "may still be in flight on the server" in said[0]
+
+
+def test_a_long_start_says_how_it_goes_every_30s(tmp_path, logs):
+    # Each probe moves the clock 5 s; a minute and a half of boot grace.
+    monitor = make_monitor(tmp_path, [TIMEOUT] * 19, boot_grace=600)
+    monitor.started()
+    for _ in range(19):
+        assert monitor.tick().state == "starting"
+    progress = [e["message"] for e in logs() if e["event"] == "loading"]
+    assert progress == [f"still starting after {s}s: timed out after 10s" for s in (30, 60, 90)]
+
+
+def test_text_log_lines_say_each_thing_once():
+    stream = io.StringIO()
+    setup_logging("text", stream)
+    from mlx_watchdog.log import Events
+
+    events = Events("qwen")
+    events.info("spawned", "started pid 20864", pid=20864)
+    events.warning("exited", "server exited with code 70", returncode=70)
+    events.warning("restart", "restarting: server exited", state="down", cause="exited",
+                   restarts_in_a_row=0)
+    setup_logging("text")
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("[qwen] spawned: started pid 20864")
+    assert lines[1].endswith("exited: server exited with code 70")
+    assert lines[2].endswith('restart: restarting: server exited state="down" restarts_in_a_row=0')

@@ -26,7 +26,7 @@ def test_every_patch_names_an_existing_test_file():
     tests = json.loads(lines[0])
     assert lines[1] == "False"  # listing the registry imports no mlx_lm
     assert set(tests) >= {"exit", "heartbeat", "extend", "advance", "recover", "disconnect",
-                          "prompt_cache_bytes", "extract"}
+                          "prompt_cache_bytes", "extract", "admission"}
     missing = {name: test for name, test in tests.items()
                if not test or not (ROOT / test).is_file() or not test.startswith("tests/test_")}
     assert not missing, f"patches whose TEST names no test file: {missing}"

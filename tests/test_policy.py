@@ -6,7 +6,7 @@ from mlx_watchdog.policy import RestartPolicy
 
 
 def policy(**kwargs) -> RestartPolicy:
-    options = dict(boot_grace_s=60, backoff_initial_s=1, backoff_max_s=8, backoff_reset_s=600,
+    options = dict(boot_grace_s=60, backoff_initial_s=1, backoff_max_s=8,
                    max_restarts=5, window_s=300)
     options.update(kwargs)
     return RestartPolicy(**options)
@@ -63,37 +63,60 @@ def test_crash_looping_is_shown_but_never_pauses_restarts():
     assert "crash-looping" in p.check(now + 1).reason
 
 
-def test_one_good_probe_does_not_reset_the_backoff():
+def test_a_start_that_served_makes_the_next_restart_immediate():
+    # A server that dies about once a minute and serves in between: every
+    # restart at once, not after 1, 2, 4, 8... s (a restart costs seconds).
+    p = policy(max_restarts=100)
+    now = 0.0
+    for _ in range(10):
+        now += 60
+        decision = p.check(now)
+        assert decision.allowed and decision.wait_s == 0
+        p.record_restart(now)
+        p.healthy(now + 2)  # the new server served
+    assert p.restarts_in_a_row == 0
+
+
+def test_a_good_probe_after_a_crash_loop_ends_the_backoff():
     p = policy()
     now = 0.0
     for _ in range(4):
         now = restart_when_allowed(p, now + 1)
-    p.healthy(now + 5)  # healthy briefly, then fails again
-    assert not p.check(now + 6).allowed
     assert p.backoff_s() == 8
-
-
-def test_staying_healthy_for_the_reset_time_resets_the_backoff():
-    p = policy(backoff_reset_s=600)
-    now = 0.0
-    for _ in range(4):
-        now = restart_when_allowed(p, now + 1)
-    p.healthy(now + 10)
-    p.healthy(now + 300)
-    assert p.restarts_in_a_row == 4
-    p.healthy(now + 610)
+    p.healthy(now + 5)
     assert p.restarts_in_a_row == 0
-    assert p.check(now + 611).allowed
+    assert p.check(now + 6).allowed
 
 
-def test_a_restart_restarts_the_healthy_clock():
-    p = policy(backoff_reset_s=100)
-    p.record_restart(0)
-    p.healthy(10)
-    p.record_restart(50)  # wedged again
-    p.healthy(60)
-    p.healthy(115)  # 105 s since the first good probe, but only 55 s since the restart
-    assert p.restarts_in_a_row == 2
+def test_a_heartbeat_that_delivered_counts_as_served():
+    p = policy()
+    now = 0.0
+    for _ in range(3):
+        now = restart_when_allowed(p, now + 1)
+    p.served(now + 3)  # between probes: the heartbeat says the new server delivered
+    assert p.check(now + 4).allowed
+
+
+def test_starts_that_never_serve_keep_backing_off():
+    p = policy(max_restarts=100)
+    now = 0.0
+    for _ in range(3):
+        now = restart_when_allowed(p, now + 1)
+    p.end_grace(now + 2)  # loaded, but never served a token: no reset
+    assert not p.check(now + 3).allowed
+    assert p.backoff_s() == 4
+
+
+def test_serving_in_between_still_shows_crash_looping():
+    p = policy(max_restarts=5, window_s=300)
+    now = 0.0
+    for _ in range(5):
+        now += 10
+        p.check(now)
+        p.record_restart(now)
+        p.healthy(now + 1)
+    decision = p.check(now + 5)
+    assert decision.allowed and decision.crash_looping
 
 
 def test_a_zero_cap_means_no_wait():

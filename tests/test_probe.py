@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -49,6 +50,8 @@ def test_ok_sends_one_ordinary_request():
     }
     assert "seed" not in body  # a different seed drains mlx-lm's batch
     assert headers["Authorization"] == "Bearer k-123"
+    # The shim's admission part never refuses nor queues a request that says so.
+    assert headers["X-MLX-Watchdog-Probe"] == "1"
 
 
 def test_no_authorization_header_without_a_key():
@@ -89,6 +92,22 @@ def test_wrong_answers_are_unhealthy(answer, reason):
     assert result.status == UNHEALTHY
     assert reason in result.reason
     assert not result.dead_thread
+
+
+def test_the_shims_busy_503_is_read_as_shedding_with_its_last_delivery():
+    busy = {"error": {"message": "the server is busy: 2 requests already wait for 1 slot",
+                      "type": "server_busy", "code": 503, "reason": "queue_full"},
+            "queued": 2, "running": 1, "last_delivery_age_s": 0.25}
+    with FakeServer(completion=json_answer(503, busy)) as server:
+        result = probe(server.url)
+    assert result.status == UNHEALTHY and result.http_status == 503
+    assert result.shedding and result.last_delivery_age_s == 0.25 and not result.dead_thread
+    assert "the server is busy" in result.reason
+    other = dict(busy, error=dict(busy["error"], type="server_error"))
+    for answer in (json_answer(503, other), json_answer(500, busy), json_answer(503, {})):
+        with FakeServer(completion=answer) as server:
+            result = probe(server.url)
+        assert not result.shedding and result.last_delivery_age_s is None, answer
 
 
 def test_dead_thread_404_is_flagged():
@@ -301,20 +320,64 @@ def test_other_evidence_can_end_the_wait_before_the_timeout():
     assert result.reason == "timed out after 1.5s"
 
 
-def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat():
+def test_a_probe_that_stops_waiting_for_a_sent_request_says_it_abandoned_it():
+    with FakeServer(completion=HANG) as server:  # the request is sent, never answered
+        hung = Probe(server.url, timeout=1.0)()
+    assert hung.status == UNHEALTHY and hung.abandoned
+    unreachable = Probe("http://127.0.0.1:9", timeout=1.0)()  # nothing was sent
+    assert not unreachable.abandoned
+    with FakeServer() as server:
+        assert not Probe(server.url, timeout=5.0)().abandoned
+
+
+def test_the_heartbeat_check_gives_up_only_on_a_stale_serving_or_stalled_beat(tmp_path):
     from mlx_watchdog.compose import _stale_heartbeat
-    from mlx_watchdog.heartbeat import HeartbeatReading
+    from mlx_watchdog.heartbeat import HeartbeatTracker
 
-    class Tracker:
-        beat = None
-
-        def sample(self):
-            return self.beat
-
-    tracker = Tracker()
-    why = _stale_heartbeat(tracker, 10.0)
+    path = tmp_path / "heartbeat.json"
+    tracker = HeartbeatTracker(path)
+    why = _stale_heartbeat(tracker, 10.0, clock=lambda: 1000.0)
     assert why() is None  # no heartbeat
     for phase, age, stale in (("serving", 5, False), ("serving", 11, True),
                               ("loading", 99, False), ("stalled", 1, True)):
-        tracker.beat = HeartbeatReading(age_s=age, phase=phase, beats=1, pid=1)
+        path.write_text(json.dumps({"pid": os.getpid(), "beats": 1, "time": 1000.0 - age,
+                                    "phase": phase}))
+        tracker.sample()  # the monitor's tick: it accepts this writer
         assert bool(why()) is stale, (phase, age)
+    path.write_text(json.dumps({"pid": os.getpid() + 1, "beats": 1, "time": 1.0,
+                                "phase": "stalled"}))
+    assert why() is None  # not the writer the monitor accepted
+
+
+def test_the_heartbeat_check_leaves_the_tracker_to_the_monitor_thread(tmp_path):
+    # The probe's give-up thread runs beside the monitor's: it reads the file
+    # itself and never samples (nor resets) the monitor's tracker.
+    from mlx_watchdog.compose import _stale_heartbeat
+    from mlx_watchdog.group import GroupHeartbeat
+    from mlx_watchdog.heartbeat import HeartbeatTracker
+
+    path = tmp_path / "heartbeat.json"
+    path.write_text(json.dumps({"pid": os.getpid(), "beats": 1, "time": time.time() - 30,
+                                "phase": "serving"}))
+    def state(tracker) -> dict:
+        inner = getattr(tracker, "_trackers", {})
+        return {"self": {k: repr(v) for k, v in vars(tracker).items()},
+                **{name: {k: repr(v) for k, v in vars(t).items()} for name, t in inner.items()}}
+
+    for tracker in (HeartbeatTracker(path), GroupHeartbeat(path)):
+        tracker.sample()
+        before = state(tracker)
+        assert "30s old" in _stale_heartbeat(tracker, 10.0)()
+        assert state(tracker) == before
+
+
+
+
+def test_a_url_ending_in_v1_is_the_server_root():
+    from mlx_watchdog.probe import check_url
+
+    # What every OpenAI client config holds; the probe adds /v1/... itself.
+    assert check_url("http://127.0.0.1:8080/v1") == "http://127.0.0.1:8080"
+    assert check_url("http://127.0.0.1:8080/v1/") == "http://127.0.0.1:8080"
+    assert check_url("https://proxy.lan/mlx/v1") == "https://proxy.lan/mlx"
+    assert check_url("http://127.0.0.1:8080/v1beta") == "http://127.0.0.1:8080/v1beta"

@@ -86,7 +86,8 @@ def test_key_is_sent_but_nowhere_recorded(tmp_path):
         assert KEY not in state_path.read_text()
         assert KEY not in monitor.metrics.render().decode()
         status = CliRunner().invoke(main, ["status", "--json", "--state-file", str(state_path)])
-        assert status.exit_code == 0 and KEY not in status.output
+        # Exit 1: the instance is not serving (the server answers 401).
+        assert status.exit_code == 1 and KEY not in status.output
 
 
 def test_probe_cli_output(tmp_path):

@@ -129,7 +129,8 @@ def test_a_user_sitecustomize_that_exits_still_exits(envs, tmp_path, user_site, 
 
 
 _NEW_PARTS = ("; recover off (MLX_HOTFIX_RECOVER=exit: a death exits 70); disconnect applied; "
-              "prompt_cache_bytes applied; extract applied")
+              "prompt_cache_bytes applied; extract applied; "
+              "admission applied (max queue off, queue timeout off, request timeout off)")
 EXPECTED_STATUS = {
     "0.31.3": ("mlx-lm 0.31.3, mlx 0.32.4; exit applied; heartbeat applied; extend applied; "
                "advance applied" + _NEW_PARTS),
@@ -161,7 +162,7 @@ def test_disable_list_and_unknown_names(envs):
     assert lines == [
         "mlx-hotfix: MLX_HOTFIX_DISABLE: unknown name 'bogus' ignored; "
         "known names: exit, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes, "
-        "extract",
+        "extract, admission",
         "mlx-hotfix: mlx-lm 0.31.3, mlx 0.32.4; exit disabled; heartbeat applied; extend applied; "
         "advance disabled" + _NEW_PARTS,
     ]

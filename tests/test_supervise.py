@@ -4,6 +4,7 @@ tiny fake server as its child (harness/fakeserver.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -569,3 +570,48 @@ def test_the_listener_check_is_on_by_default_and_can_be_turned_off(tmp_path, mon
         assert result.exit_code == 0, result.output
     on, off = built
     assert on.listener is not None and off.listener is None
+
+
+def test_a_tick_that_keeps_raising_is_said_once_and_its_recovery_too(tmp_path, caplog):
+    supervisor, spawner, probes, _, clock = make(tmp_path)
+    supervisor.interval_s = 0.01
+    calls = []
+    real_tick = supervisor.tick
+
+    def tick():
+        calls.append(1)
+        if len(calls) >= 6:
+            supervisor.request_stop()
+        if len(calls) <= 4:
+            raise RuntimeError("the same bug at every tick")
+        return real_tick()
+
+    supervisor.tick = tick
+    with caplog.at_level("INFO"):
+        assert supervisor.run() == 0
+    said = [r for r in caplog.records if getattr(r, "event", "") == "tick-error"]
+    assert [bool(r.exc_info) for r in said] == [True, False]  # the failure, the recovery
+    assert "recovered after: RuntimeError: the same bug" in said[1].getMessage()
+
+
+@pytest.mark.parametrize("how", ["the child exits", "the child stops answering"])
+def test_a_normal_stop_is_no_failure(tmp_path, caplog, how):
+    # SIGTERM arrives while a tick is under way: the child's exit (or its
+    # silence while it drains) is what was asked for; it is not restarted,
+    # and nothing says "restart-failed" at ERROR, nor warns.
+    supervisor, spawner, probes, _, clock = make(tmp_path)
+    supervisor.start()
+    assert supervisor.tick().state == HEALTHY
+    caplog.clear()  # only what is said once the stop is asked for
+    supervisor.request_stop()
+    if how == "the child exits":
+        spawner.current.code = 0
+    else:
+        probes.next = TIMEOUT
+    with caplog.at_level("INFO"):
+        for _ in range(3):
+            supervisor.monitor.tick()
+    loud = [(r.levelname, getattr(r, "event", ""), r.getMessage()) for r in caplog.records
+            if r.levelno >= logging.WARNING]
+    assert loud == []
+    assert len(spawner.children) == 1 and supervisor.monitor.restarts == 0

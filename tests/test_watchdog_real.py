@@ -505,7 +505,8 @@ def test_the_api_key_is_sent_and_never_shown(watchdogs, tmp_path):
             status = subprocess.run(
                 [sys.executable, "-m", "mlx_watchdog", "status", "--json", "--state-file",
                  str(run.state_path)], capture_output=True, text=True, timeout=60)
-            assert status.returncode == 0 and "invalid key ***" in status.stdout, status
+            # Exit 1: the watchdog stopped, so nothing is watched (stopped, not healthy).
+            assert status.returncode == 1 and "invalid key ***" in status.stdout, status
             assert "invalid key ***" in run.text()  # the echo was scrubbed, not dropped
             for where, text in [("log", run.text()), ("state file", run.state_path.read_text()),
                                 ("status --json", status.stdout + status.stderr),
@@ -554,3 +555,37 @@ def test_shell_metacharacters_in_a_command_are_passed_literally(watchdogs, tmp_p
     assert recorded(record)[0] == nasty
     for suffix in ("", "-2", "-3"):
         assert not Path(f"{pwned}{suffix}").exists()
+
+
+# -- a restart that fails says so, and reports nothing about a process that is gone --------
+
+
+def test_a_failed_signal_restart_is_down_not_starting_and_writes_no_report(watchdogs, tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)  # a pid that names nobody now
+    heartbeat = tmp_path / "left-behind.heartbeat"  # from the server that was there
+    heartbeat.write_text(json.dumps({"pid": gone.pid, "beats": 9, "time": time.time() - 600,
+                                     "phase": "serving"}))
+    reports = tmp_path / "reports"
+    with FakeServer(completion=json_answer(500, {"error": "boom"})) as fake:
+        config = watch_config(tmp_path / "watch.toml", {
+            "gemma": {"url": toml_string(fake.url + "/v1"),  # as OpenAI clients are given it
+                      "heartbeat_file": toml_string(str(heartbeat)),
+                      "report_dir": toml_string(str(reports)),
+                      "restart": f'{{ type = "signal", pid = {gone.pid} }}'}})
+        watch = watchdogs(["watch", "--config", str(config)])
+        failed = watch.wait_event(lambda e: e["event"] == "restart-failed", 60, "the restart")
+        count = len(watch.events())
+        watch.wait_event(lambda e: e["event"] == "restart-failed", 60, "a second attempt",
+                         after=count)
+        states = [e for e in watch.events() if e["event"] == "state"]
+        after = [e["state"] for e in states if e["time"] >= failed["time"]]
+        assert "starting" not in after, states  # nothing was started
+        record = watch.record("gemma")
+        assert record["state"] == "down" and record["last_restart"]["ok"] is False, record
+        assert str(gone.pid) in failed["message"], failed
+        assert record["url"] == fake.url  # /v1 normalised away
+        # The probes reached the server's root: its 500, not a 404 for /v1/v1/...
+        assert record["last_probe"]["http_status"] == 500, record
+        assert not reports.exists() or not list(reports.glob("*.json"))
+        assert watch.terminate() == 0

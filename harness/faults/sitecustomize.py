@@ -11,6 +11,12 @@ alone (stock, no shim). MLX_TEST_FAULT selects one fault:
     livelock:batch[:<after>]         BatchGenerator.next returns no responses,
                                      forever: the loop turns, nothing is
                                      delivered (upstream #1493)
+    chaos:<where>                    the fault is chosen at run time, once per
+                                     arming: the first call after
+                                     MLX_TEST_FAULT_ARM_FILE appears reads its
+                                     first line (raise:<kind>, hang, spin or
+                                     livelock), removes the file and strikes
+                                     (bench/chaos_soak.py)
 
 <where>: load (ModelProvider.load_default), prefill (PromptProcessingBatch.prompt),
 decode (GenerationBatch.next), extract_cache (BatchGenerator.extract_cache),
@@ -27,6 +33,15 @@ MLX_TEST_FAULT_RANK=N injects the fault only in the process whose MLX_RANK
 
 Fault counting starts only after MLX_TEST_FAULT_ARM_FILE exists, when that is
 set, so a test can warm the server up first.
+
+The arm file may name the fault itself: a spec in it (say ``hang:decode``)
+replaces MLX_TEST_FAULT's action when it strikes, at the same <where>, so
+one server (or group) can be struck by a death, then a hang.
+
+MLX_TEST_IGNORE_SIGTERM=<file> (a rank blocked in native code, upstream mlx
+#3910): SIGTERM is ignored, and SIGHUP kills as by default; each arrival
+appends one line ``<SIGNAL> pid=<pid> t=<time>`` to <file>, so a test can
+tell which signal reached the process. Honours MLX_TEST_FAULT_RANK.
 
 MLX_TEST_FAULT_ONESHOT=1 makes a fault strike once per arming: it removes
 the arm file and starts counting afresh (a test arms it again for the next).
@@ -94,7 +109,7 @@ def _parse(spec):
     if action == "raise":
         kind, where = parts[1], parts[2]
         after = int(parts[3]) if len(parts) > 3 else 0
-    elif action in ("hang", "spin", "hold", "livelock"):
+    elif action in ("hang", "spin", "hold", "livelock", "chaos"):
         kind, where = None, parts[1]
         after = int(parts[2]) if len(parts) > 2 else 0
     else:
@@ -124,42 +139,116 @@ def _error(kind):
     return error(message)
 
 
-def _inject(module, action, kind, where, after):
+def _strike(action, kind, where, error=None):
+    """Announce the fault on stderr, then act it out (raise, block, spin).
+
+    error: the exception to raise, worked out before a one-shot fault unarms
+    (the "armed" kind reads its kind from the arm file)."""
+    sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
+    sys.stderr.flush()
+    if action == "raise":
+        raise error if error is not None else _error(kind)
+    if action == "hang":
+        import threading
+
+        threading.Event().wait()
+    if action == "hold":
+        release = os.environ.get("MLX_TEST_FAULT_RELEASE_FILE", "")
+        while not (release and os.path.exists(release)):
+            time.sleep(0.05)
+    while action == "spin":
+        pass
+
+
+def _take_armed_fault():
+    """chaos: (action, kind) from the arm file's first line, the file then
+    removed; None while there is no arm file (or no line in it yet)."""
+    arm_file = os.environ.get("MLX_TEST_FAULT_ARM_FILE", "")
+    try:
+        with open(arm_file) as handle:
+            line = handle.readline().strip()
+        if not line:
+            return None  # still being written
+        os.remove(arm_file)
+    except OSError:
+        return None
+    parts = line.split(":")
+    if parts[0] == "raise" and len(parts) == 2 and parts[1] in _MESSAGES:
+        return "raise", parts[1]
+    if parts[0] in ("hang", "spin", "livelock") and len(parts) == 1:
+        return parts[0], None
+    raise ValueError("MLX_TEST_FAULT=chaos: unknown fault %r in the arm file" % line)
+
+
+def _inject_chaos(owner, name, where):
+    original = getattr(owner, name)
+    livelocked = [False]
+
+    def chaotic(*args, **kwargs):
+        if livelocked[0]:
+            time.sleep(0.002)
+            return [], []
+        chosen = _take_armed_fault()
+        if chosen is None:
+            return original(*args, **kwargs)
+        action, kind = chosen
+        if action == "livelock":  # for good, in this process
+            livelocked[0] = True
+            sys.stderr.write("mlx-test-fault: livelock at %s t=%.6f\n" % (where, time.time()))
+            sys.stderr.flush()
+            return [], []
+        _strike(action, kind, where)
+
+    setattr(owner, name, chaotic)
+
+
+def _armed_as(action, kind, where):
+    """The action and kind to strike with: the arm file's spec, if it holds one.
+    (With the kind "armed" the file holds a kind only: see _error.)"""
+    if kind == _ARMED:
+        return action, kind
+    try:
+        with open(os.environ["MLX_TEST_FAULT_ARM_FILE"]) as handle:
+            spec = handle.read().strip()
+    except (KeyError, OSError):
+        spec = ""
+    if ":" in spec:
+        armed_action, armed_kind, armed_where, _ = _parse(spec)
+        if armed_where == where:
+            return armed_action, armed_kind
+    return action, kind
+
+
+def _inject(module, installed_action, installed_kind, where, after):
     owner = getattr(module, _TARGETS[where][1])
     name = _TARGETS[where][2]
+    if installed_action == "chaos":
+        return _inject_chaos(owner, name, where)
     original = getattr(owner, name)
     calls = [0]
+    struck = [None]  # the action, once struck
 
     def faulty(*args, **kwargs):
-        if action == "livelock" and calls[0] > after:  # once struck, for good
+        if struck[0] == "livelock":  # once struck, for good
             time.sleep(0.002)  # a real livelock spins; spare the shared CPU
             return [], []
         if _armed():
             calls[0] += 1
             if calls[0] > after:
+                action, kind = _armed_as(installed_action, installed_kind, where)
+                struck[0] = action
                 error = _error(kind) if action == "raise" else None  # before a one-shot unarms
-                sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
-                sys.stderr.flush()
                 if os.environ.get("MLX_TEST_FAULT_ONESHOT") == "1":
                     calls[0] = 0
                     try:
                         os.remove(os.environ["MLX_TEST_FAULT_ARM_FILE"])
                     except (KeyError, OSError):
                         pass
-                if action == "raise":
-                    raise error
                 if action == "livelock":
+                    sys.stderr.write("mlx-test-fault: %s at %s t=%.6f\n" % (action, where, time.time()))
+                    sys.stderr.flush()
                     return [], []
-                if action == "hang":
-                    import threading
-
-                    threading.Event().wait()
-                if action == "hold":
-                    release = os.environ.get("MLX_TEST_FAULT_RELEASE_FILE", "")
-                    while not (release and os.path.exists(release)):
-                        time.sleep(0.05)
-                while action == "spin":
-                    pass
+                _strike(action, kind, where, error)
         return original(*args, **kwargs)
 
     setattr(owner, name, faulty)
@@ -246,6 +335,26 @@ def _stamp_deaths(generate):
     owner.next = next
 
 
+def _ignore_sigterm(trace):
+    import signal
+
+    def note(signum):
+        with open(trace, "a") as handle:
+            handle.write("%s pid=%d t=%.6f\n"
+                         % (signal.Signals(signum).name, os.getpid(), time.time()))
+
+    def on_sigterm(signum, _frame):
+        note(signum)
+
+    def on_sighup(signum, _frame):
+        note(signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sighup)
+
+
 def _this_rank():
     wanted = os.environ.get("MLX_TEST_FAULT_RANK", "").strip()
     return not wanted or os.environ.get("MLX_RANK", "").strip() == wanted
@@ -263,6 +372,8 @@ def _install():
     if _SPEC and _this_rank():
         action, kind, where, after = _parse(_SPEC)
         wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))
+    if os.environ.get("MLX_TEST_IGNORE_SIGTERM") and _this_rank():
+        _ignore_sigterm(os.environ["MLX_TEST_IGNORE_SIGTERM"])
     if wanted:
         when_imported = _shim_hooks()
         for name, hook in wanted:

@@ -10,17 +10,22 @@ MLX_HOTFIX_EXIT_GRACE=2.0    at most this many seconds to answer waiting clients
                              never cuts a client off)
 MLX_HOTFIX_HEARTBEAT_FILE=P  write a heartbeat file from the generation loop
 MLX_HOTFIX_HEARTBEAT_INTERVAL=1.0  at most one heartbeat write per this many s
+MLX_HOTFIX_INSTANCE=NAME     the watchdog's name for this server, in crash reports
 MLX_HOTFIX_PARENT_PID=N      exit when process N (the supervisor) is gone
 MLX_HOTFIX_RECOVER=exit      on a death: exit (default), or thread: a fresh loop in place
 MLX_HOTFIX_RECOVER_LIMIT=3   at most this many in-place recoveries ...
 MLX_HOTFIX_RECOVER_WINDOW=600  ... in this many seconds; past that, exit
 MLX_HOTFIX_STALL_TIMEOUT=300 requests in flight and nothing delivered this long: stalled
+MLX_HOTFIX_MAX_QUEUE=N       at most N requests wait for a slot; more get 503 (default: no limit)
+MLX_HOTFIX_QUEUE_TIMEOUT=S   a request waiting for a slot this long gets 503 (default: none)
+MLX_HOTFIX_REQUEST_TIMEOUT=S a request still generating this long after it came is cut
+                             short, finish_reason "length" (default: none)
 """
 
 import os
 
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "prompt_cache_bytes",
-         "extract")
+         "extract", "admission")
 _TRUE = ("1", "true", "yes", "on")
 
 _current = None
@@ -66,6 +71,13 @@ class Config:
         self.parent_pid = self._number(
             environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
         )
+        # Admission (patches/admission.py): unset is no limit, as stock.
+        self.max_queue = self._number(
+            environ, "MLX_HOTFIX_MAX_QUEUE", None, int, lambda v: 1 <= v <= 1000000,
+            "a whole number of requests from 1 to 1000000", shown="no limit",
+        )
+        self.queue_timeout = self._seconds(environ, "MLX_HOTFIX_QUEUE_TIMEOUT")
+        self.request_timeout = self._seconds(environ, "MLX_HOTFIX_REQUEST_TIMEOUT")
         if self.exit_grace < MIN_EXIT_GRACE:
             self.warnings.append(
                 "MLX_HOTFIX_EXIT_GRACE=%g is below the %g s needed to answer every waiting "
@@ -96,7 +108,7 @@ class Config:
             )
         return frozenset(n for n in names if n in PARTS)
 
-    def _number(self, environ, key, default, kind, valid, expected):
+    def _number(self, environ, key, default, kind, valid, expected, shown=None):
         raw = environ.get(key, "").strip()
         if not raw:
             return default
@@ -107,9 +119,17 @@ class Config:
         except ValueError:
             pass
         self.warnings.append(
-            "%s=%r is not %s; using %r" % (key, raw, expected, default)
+            "%s=%r is not %s; using %s" % (key, raw, expected,
+                                          shown if shown is not None else repr(default))
         )
         return default
+
+    def _seconds(self, environ, key):
+        """An optional limit in seconds: unset (None) is no limit."""
+        return self._number(
+            environ, key, None, float, lambda v: 0 < v <= 86400 * 365,
+            "a number of seconds above 0", shown="no limit",
+        )
 
     def enabled(self, part):
         return part not in self.disabled

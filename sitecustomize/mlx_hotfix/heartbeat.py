@@ -74,6 +74,7 @@ _progress_mono = time.monotonic()  # last delivery, first request in flight, loa
 _beat_mono = time.monotonic()  # last loop turn
 _stalled = False
 _down = False  # the generation loop died; set by stop(), cleared by serving_again()
+_death = None  # why the process is about to exit (died()), in every later record
 
 
 def _systemd():
@@ -145,6 +146,7 @@ def record(phase):
         data["warning"] = warning()
     # memory.py: sampled once per interval; the loop's own beat may serve a trim.
     data["memory"] = memory.fields(trim_point=on_generation_thread() and not _stopped)
+    _add_fields(data)
     return data
 
 
@@ -154,12 +156,31 @@ def _unix_time(mono):
     return None if mono is None else time.time() - (time.monotonic() - mono)
 
 
+_field_sources = []  # other parts' fields for the record and /health (admission's counts)
+
+
+def add_fields(source):
+    """source() -> a dict of fields to add to every record and /health body."""
+    if source not in _field_sources:
+        _field_sources.append(source)
+
+
+def _add_fields(data):
+    for source in _field_sources:
+        try:
+            data.update(source())
+        except Exception:  # noqa: BLE001 - another part's fields never cost a beat
+            pass
+
+
 def _write(data):
     """Write one record to the heartbeat file, atomically. Never raises."""
     path = config.current().heartbeat_file
     if not path:
         return
     with _write_lock:
+        if _death is not None:  # a write racing the death's must not drop its cause
+            data = dict(data, death=_death)
         try:
             write_atomically(path, json.dumps(data) + "\n", mode=0o644)  # a watchdog of another user reads it
         except OSError as exc:
@@ -277,6 +298,7 @@ def health():
         return 503, {"status": "loading", "memory": memory.fields()}
     age = None if _last_delivery_mono is None else round(now - _last_delivery_mono, 3)
     body = {"in_flight": _in_flight, "last_delivery_age_s": age, "memory": memory.fields()}
+    _add_fields(body)
     if current == STALLED:
         body = dict(status="stalled", stall_timeout_s=config.current().stall_timeout, **body)
         return 503, body
@@ -346,19 +368,20 @@ def loop_iteration():
         _turn_work(now)
 
 
-def loop_put(kind):
+def loop_put(kind, counted=True):
     """An item put on a response queue: kind TOKEN (a generated token), PROMPT
     (a prompt progress report) or None (a context, an end, an error). From the
     generation thread it is a loop turn (a long single-request stream turns no
-    other hook), and a delivery when kind is set; from any other thread (a
-    client queueing its request) it is nothing. The per-token path: one clock
+    other hook), and a delivery when kind is set (counted=False: a watchdog's
+    probe, progress but not throughput); from any other thread (a client
+    queueing its request) it is nothing. The per-token path: one clock
     read and a few counters, the rest once per interval (``_turn_work``)."""
     global _beats, _beat_mono
     if _get_ident() != _generation_ident:
         return
     now = _monotonic()
     if kind is not None:
-        _count_delivery(kind, now)
+        _count_delivery(kind, now, counted)
     if _stopped:
         return
     # loop_iteration()'s body, with the clock already read (one call less per token)
@@ -396,23 +419,31 @@ def _turn_work(now):
 TOKEN, PROMPT = "token", "prompt"
 
 
-def delivered(kind):
+def delivered(kind, counted=True):
     """One item for a client left the generation thread: "prompt" (a prompt
-    progress report) or "token" (a generated token)."""
-    _count_delivery(kind, _monotonic())
+    progress report) or "token" (a generated token). counted=False (a
+    watchdog's probe): progress all the same, but not throughput."""
+    _count_delivery(kind, _monotonic(), counted)
 
 
-def _count_delivery(kind, now):
+def _count_delivery(kind, now, counted):
     global _delivered, _prompt_tokens, _decode_tokens
     global _last_delivery_mono, _progress_mono
-    _delivered += 1
-    if kind == TOKEN:
-        _decode_tokens += 1
-    else:
-        _prompt_tokens += 1
+    if counted:
+        _delivered += 1
+        if kind == TOKEN:
+            _decode_tokens += 1
+        else:
+            _prompt_tokens += 1
     _last_delivery_mono = _progress_mono = now
     if _stalled:
         _check_stall(now)
+
+
+def last_delivery_age():
+    """Seconds since the last delivery to a client, or None before the first."""
+    last = _last_delivery_mono
+    return None if last is None else round(time.monotonic() - last, 3)
 
 
 def request_started():
@@ -423,12 +454,14 @@ def request_started():
         _in_flight += 1
 
 
-def request_finished():
-    """A request is done (completed, failed, or its client gone)."""
+def request_finished(counted=True):
+    """A request is done (completed, failed, or its client gone); a probe's
+    (counted=False) is not counted in ``requests``."""
     global _in_flight, _requests
     with _count_lock:
         _in_flight = max(0, _in_flight - 1)
-        _requests += 1
+        if counted:
+            _requests += 1
 
 
 def cancelled():
@@ -487,6 +520,23 @@ def serving_again():
     /health may say so (the recover part calls this last)."""
     global _down
     _down = False
+
+
+def died(summary, during_startup):
+    """The server is about to exit for a death: leave its one-line cause in the
+    heartbeat file (the ``death`` field), where the watchdog reads it when the
+    process is gone: a start-up failure (a bad --model, a taken port) is then
+    named by its own cause, not by the exit code. ``cause`` is the class of
+    the death, kept for a classifier (None: not classified). Never raises."""
+    global _death
+    try:
+        if not config.current().heartbeat_file:
+            return
+        _death = {"summary": summary, "during_startup": bool(during_startup),
+                  "time": time.time(), "cause": None}
+        _write(record(phase()))
+    except Exception:  # noqa: BLE001 - the exit goes on whatever happens here
+        pass
 
 
 def notify_stopping(text):

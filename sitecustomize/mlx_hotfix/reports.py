@@ -201,6 +201,31 @@ def _memory():
     return memory
 
 
+def _flag(argv, name):
+    """The last value of --name in argv (``--name V`` or ``--name=V``), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def instance():
+    """Which server this is, so that reports of several instances sharing a
+    folder can be told apart: MLX_HOTFIX_INSTANCE (set by supervise and
+    install: the watchdog's instance name), and the --port and --model of
+    the server's command line."""
+    argv = list(sys.argv)
+    port = _flag(argv, "--port")
+    return {
+        "name": os.environ.get("MLX_HOTFIX_INSTANCE", "").strip() or None,
+        "port": int(port) if port and port.isdigit() else None,
+        "model": _flag(argv, "--model"),
+    }
+
+
 def _exception(exc):
     if exc is None:
         return None
@@ -232,6 +257,7 @@ def build_report(kind, exc=None, extra=None):
     _gather("argv", lambda: redact_argv(sys.argv), report)
     _gather("heartbeat", _heartbeat, report)
     _gather("memory", _memory, report)
+    _gather("instance", instance, report)
     report.setdefault("in_flight", None)
     report.setdefault("exit_code", None)
     for key, value in (extra or {}).items():
@@ -267,10 +293,18 @@ def prune(directory, keep=KEEP):
 
 
 def write_report(kind, *, exc=None, extra=None):
-    """Write one report; its path, or None if it could not be written. Never raises."""
+    """Write one report; its path, or None if it could not be written. Never raises.
+
+    A start-up death identical to the newest report's (same instance, same
+    exception) adds to that report's ``repeats`` instead: a server that cannot
+    start (a bad --model, a taken port) and is restarted forever must not
+    evict the reports that matter."""
     try:
         report = build_report(kind, exc, extra)
         directory = report_dir()
+        repeated = _count_repeat(directory, report)
+        if repeated is not None:
+            return repeated
         path = write_json(directory, report_name(kind, report["pid"], report["time"]), report)
         prune(directory)
         return path
@@ -282,6 +316,42 @@ def write_report(kind, *, exc=None, extra=None):
         except BaseException:  # noqa: BLE001
             pass
         return None
+
+
+def _same_startup_death(old, new):
+    def key(report):
+        exc = report.get("exception") or {}
+        return (report.get("kind"), bool(report.get("during_startup")), report.get("instance"),
+                exc.get("type"), exc.get("message"))
+
+    return new.get("during_startup") and isinstance(old, dict) and key(old) == key(new)
+
+
+def _count_repeat(directory, report):
+    """The newest report's path after counting report as a repeat of it, or
+    None when report is not the same start-up death."""
+    if not report.get("during_startup"):
+        return None
+    try:
+        names = sorted(n for n in os.listdir(directory)
+                       if n.endswith(".json") and not n.startswith("."))
+    except OSError:
+        return None
+    if not names:
+        return None
+    path = os.path.join(directory, names[-1])
+    try:
+        with open(path) as handle:
+            newest = json.loads(handle.read(1 << 22))
+    except (OSError, ValueError):
+        return None
+    if not _same_startup_death(newest, report):
+        return None
+    newest["repeats"] = int(newest.get("repeats") or 1) + 1
+    newest["last_time"] = report["time"]
+    newest["last_pid"] = report["pid"]
+    write_json(directory, names[-1], newest)
+    return path
 
 
 # -- stacks on demand, fatal stacks ------------------------------------------

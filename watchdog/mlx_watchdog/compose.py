@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from . import reports
 from .config import InstanceConfig
 from .group import heartbeat_tracker
-from .heartbeat import SERVING, STALLED
+from .heartbeat import SERVING, STALLED, read_heartbeat
 from .judge import Judge, JudgeConfig
 from .log import Events
 from .metrics import Metrics
@@ -40,7 +40,6 @@ def restart_policy(instance: InstanceConfig) -> RestartPolicy:
         max_restarts=instance.max_restarts,
         window_s=instance.restart_window,
         backoff_max_s=instance.backoff_max,
-        backoff_reset_s=instance.backoff_reset,
     )
 
 
@@ -57,6 +56,7 @@ def build_monitor(
     state: Optional[StateStore] = None,
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
+    expect_shim: Optional[bool] = None,  # default: when a heartbeat file is configured
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
     # Every rank's heartbeat when the server is an mlx.launch group (group.py).
@@ -77,32 +77,56 @@ def build_monitor(
         action=action,
         url=instance.url,
         heartbeat=heartbeat,
+        heartbeat_file=heartbeat_file,
         process=process,
         listener=listener,
         events=Events(instance.name),
         metrics=metrics,
         state=state,
-        throughput=ThroughputTracker(heartbeat_file) if heartbeat_file else None,
-        reports=ReportWatcher(reports.report_dir(instance.report_dir)),
+        throughput=ThroughputTracker() if heartbeat_file else None,
+        reports=ReportWatcher(reports.report_dir(instance.report_dir), instance.name,
+                              _port(instance.url)),
         clock=clock,
         wall_clock=wall_clock,
+        # A tick lasts at most a probe; the state file says so, for `status`.
+        update_every_s=instance.interval + instance.timeout,
+        expect_shim=expect_shim,
     )
 
 
-def _stale_heartbeat(heartbeat, limit_s: float) -> Callable[[], Optional[str]]:
+def _port(url: str) -> Optional[int]:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).port
+    except ValueError:
+        return None
+
+
+def _stale_heartbeat(heartbeat, limit_s: float,
+                     clock: Callable[[], float] = time.time) -> Callable[[], Optional[str]]:
     """For the probe: stop waiting once the shim's heartbeat is staler than the
     judge's limit (or says stalled). The judge would call that wedged at the
     probe's timeout anyway; a probe sent just before a hang no longer makes
-    the verdict wait one more probe timeout."""
+    the verdict wait one more probe timeout.
+
+    It runs on the probe's give-up thread while the monitor's thread owns the
+    tracker, so it never touches the tracker: it reads each file itself, and
+    trusts a beat only from the writer the monitor accepted at its last tick
+    (`accepted`, replaced whole by the monitor). Its age is the file's own
+    timestamp: a wall clock that jumps can cut one probe short, never restart
+    a server (the judge ages the beat on the monitor's clock)."""
 
     def why() -> Optional[str]:
-        beat = heartbeat.sample()
-        if beat is None:
-            return None
-        if beat.phase == STALLED:
-            return "the heartbeat says stalled"
-        if beat.phase == SERVING and beat.age_s > limit_s:
-            return f"the heartbeat is {beat.age_s:.0f}s old (limit {limit_s:g}s)"
+        for path, pid in heartbeat.accepted.items():
+            beat = read_heartbeat(path)
+            if beat is None or beat.pid != pid:
+                continue
+            if beat.phase == STALLED:
+                return "the heartbeat says stalled"
+            age = clock() - beat.time
+            if beat.phase == SERVING and age > limit_s:
+                return f"the heartbeat is {age:.0f}s old (limit {limit_s:g}s)"
         return None
 
     return why

@@ -16,8 +16,8 @@ Instance keys (defaults in defaults.py): url (required), model, api_key or
 api_key_env (the name of an environment variable holding it), interval,
 timeout, failures, boot_grace, health_check, heartbeat_file,
 heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window,
-backoff_max (the longest wait between restarts, default 60 s), backoff_reset
-(healthy this long resets the backoff, default 600 s), stop_grace (SIGTERM to
+backoff_max (the longest wait between restarts of servers that never served,
+default 60 s), stop_grace (SIGTERM to
 SIGKILL, default 30 s), report_dir (where crash reports go), and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
@@ -51,7 +51,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from . import defaults
 from .log import FORMATS
-from .redact import Secret
+from .redact import Secret, printable
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,7 +59,23 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 RESTART_TYPES = ("launchd", "systemd", "signal", "command", "none")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+# \Z, not $: "$" also matches before a final newline, and a name with one
+# forged a log line of its own ([instances."a\n"]).
+_NAME = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9_.:\[\]-]*\Z")
+NAME_RULE = ("instance names may hold letters, digits and _ . : - [ ] only, and start "
+             "with a letter, a digit or [")
+
+
+def name_problem(name: str) -> Optional[str]:
+    """Why name cannot name an instance (logs, metrics, status), or None."""
+    return None if _NAME.match(name) else NAME_RULE
+
+
+def name_from_url(url: str) -> str:
+    """The default instance name: the URL's host:port, as a valid name."""
+    netloc = url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9_.:\[\]-]", "_", netloc)
+    return name if _NAME.match(name) else f"[{name}]"
 
 
 class ConfigError(Exception):
@@ -105,7 +121,6 @@ class InstanceConfig:
     max_restarts: int = defaults.MAX_RESTARTS
     restart_window: float = defaults.RESTART_WINDOW_S
     backoff_max: float = defaults.BACKOFF_MAX_S
-    backoff_reset: float = defaults.BACKOFF_RESET_S
     stop_grace: float = defaults.STOP_GRACE_S
     report_dir: Optional[str] = None
 
@@ -118,6 +133,15 @@ class WatchConfig:
     metrics_port: Optional[int] = None
     metrics_host: str = defaults.METRICS_HOST
     log_format: str = defaults.LOG_FORMAT
+    warnings: Tuple[str, ...] = ()  # keys still accepted but no longer used
+
+
+# Keys that once meant something: accepted, with a warning, so that an old
+# config still starts its watchdog.
+RETIRED = {
+    "backoff_reset": "no longer used: a start that served ends the backoff at once "
+                     "(the next restart is immediate); remove it",
+}
 
 
 # -- value checks: each returns the clean value or raises _Bad(expectation) ---
@@ -143,7 +167,9 @@ def _url(value: Any) -> str:
     problem = url_problem(value)
     if problem:
         raise _Bad(f'a URL like "http://127.0.0.1:8080" ({problem})')
-    return value.rstrip("/")
+    from .probe import server_root
+
+    return server_root(value)
 
 
 def _cacert(value: Any) -> str:
@@ -265,7 +291,6 @@ _INSTANCE = {
     "max_restarts": (_count, defaults.MAX_RESTARTS),
     "restart_window": (_seconds, defaults.RESTART_WINDOW_S),
     "backoff_max": (_seconds_or_zero, defaults.BACKOFF_MAX_S),
-    "backoff_reset": (_seconds_or_zero, defaults.BACKOFF_RESET_S),
     "stop_grace": (_seconds_or_zero, defaults.STOP_GRACE_S),
     "report_dir": (_path, None),
 }
@@ -384,15 +409,20 @@ def parse_config(data: Mapping[str, Any], path: str = "<config>") -> WatchConfig
     instances = reader.table(top.pop("instances"), "instances")
     if not instances:
         raise reader.error("instances", "expected at least one [instances.NAME] table")
-    parsed = tuple(_instance(reader, name, body) for name, body in instances.items())
-    return WatchConfig(path=path, instances=parsed, **top)
+    warnings: list = []
+    parsed = tuple(_instance(reader, name, body, warnings) for name, body in instances.items())
+    return WatchConfig(path=path, instances=parsed, warnings=tuple(warnings), **top)
 
 
-def _instance(reader: _Reader, name: str, body: Any) -> InstanceConfig:
+def _instance(reader: _Reader, name: str, body: Any, warnings: list) -> InstanceConfig:
     prefix = f"instances.{name}"
-    if not _NAME.match(name):
-        raise reader.error(prefix, "instance names may hold letters, digits and _ . : - only")
-    values = reader.fields(reader.table(body, prefix), prefix + ".", _INSTANCE)
+    if name_problem(name):
+        raise reader.error(printable(prefix), NAME_RULE)
+    body = dict(reader.table(body, prefix))
+    for key in sorted(RETIRED.keys() & body.keys()):
+        del body[key]
+        warnings.append(f"{reader.path}: {prefix}.{key}: {RETIRED[key]}")
+    values = reader.fields(body, prefix + ".", _INSTANCE)
     if values["api_key"] is not None and values["api_key_env"] is not None:
         raise reader.error(f"{prefix}.api_key_env", "expected api_key or api_key_env, not both")
     key_env = values.pop("api_key_env")

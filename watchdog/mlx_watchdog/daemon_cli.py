@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
+import shlex
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 import click
 
 from . import defaults
-from .log import FORMATS, Events, setup_logging
+from .log import FORMATS, Events, colour_wanted, setup_logging
 from .metrics import Metrics
 from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _SECONDS,
@@ -24,7 +25,7 @@ from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _model_option,
     probe_command,
 )
-from .redact import secret
+from .redact import printable, secret
 from .state import StateStore, default_state_path, format_status, read_state
 
 
@@ -78,7 +79,9 @@ def _daemon_options(f: Callable) -> Callable:
     f"own {defaults.URL} when it has none; an error when the port cannot be read]",
 )
 @click.option(
-    "--name", default=None, help="Instance name in logs, metrics and status. [default: host:port]"
+    "--name", default=None, callback=lambda ctx, param, value: _check_name(value),
+    help="Instance name in logs, metrics and status: letters, digits and _ . : - [ ]. "
+    "[default: host:port]",
 )
 @_number_option("--probe-interval", defaults.PROBE_INTERVAL_S, "Seconds between probes.")
 @_number_option("--probe-timeout", defaults.PROBE_TIMEOUT_S, "Seconds for one whole probe.")
@@ -134,15 +137,13 @@ def _daemon_options(f: Callable) -> Callable:
 @_number_option(
     "--backoff-max",
     defaults.BACKOFF_MAX_S,
-    "The longest wait before a restart; the wait starts at 1 s and doubles.",
+    "The longest wait before restarting a server that never served; the wait starts "
+    "at 1 s and doubles. A server that served is restarted at once.",
     kind=_SECONDS_OR_ZERO,
 )
-@_number_option(
-    "--backoff-reset",
-    defaults.BACKOFF_RESET_S,
-    "Seconds the server must stay healthy before the backoff starts again from 1 s.",
-    kind=_SECONDS_OR_ZERO,
-)
+@click.option("--backoff-reset", type=_SECONDS_OR_ZERO, default=None, hidden=True,
+              help="No longer used (a start that served ends the backoff); accepted "
+              "with a warning.")
 @click.option(
     "--report-dir",
     type=click.Path(file_okay=False),
@@ -192,7 +193,7 @@ def supervise_command(
     stop_grace: float,
     max_restarts: int,
     backoff_max: float,
-    backoff_reset: float,
+    backoff_reset: Optional[float],
     report_dir: Optional[str],
     restart_window: float,
     no_shim: bool,
@@ -216,7 +217,7 @@ def supervise_command(
 
     Example: mlx-watchdog supervise -- mlx_lm.server --model M --port 8080
     """
-    from .config import InstanceConfig, RestartConfig
+    from .config import InstanceConfig, RestartConfig, name_from_url
     from .shim import with_shim
     from .supervise import Supervisor, SupervisorError, url_from_command
 
@@ -230,14 +231,18 @@ def supervise_command(
         group_command = _group_command(command, env, private, remote_shim_path, no_shim)
         if group_command is not None:
             command = tuple(group_command.argv)
+            if group_command.hosts and not group_command.hosts[0].local:
+                listener_check = False  # rank 0 listens on another host, not in our tree
         if url is None:
             try:
                 url = group_command.probe_url() if group_command else url_from_command(command)
             except ValueError as exc:
                 raise click.UsageError(f"{exc}; pass --url") from None
+        if group_command is None:
+            _check_before_start(command, listener_check)
         metrics = _metrics(metrics_port, metrics_host)
         state = StateStore(state_file or default_state_path())
-        name = name or url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+        name = name or name_from_url(url)
         # The same options as a `watch` instance; the supervisor restarts itself.
         instance = InstanceConfig(
             name=name,
@@ -257,7 +262,6 @@ def supervise_command(
             max_restarts=max_restarts,
             restart_window=restart_window,
             backoff_max=backoff_max,
-            backoff_reset=backoff_reset,
             stop_grace=stop_grace,
             report_dir=report_dir,
         )
@@ -271,7 +275,14 @@ def supervise_command(
             metrics=metrics,
             state=state,
         )
-        supervisor.events.info("supervise", f"supervising {command[0]}, probing {url}")
+        from .redact import redact_argv, redact_url
+
+        supervisor.events.info("supervise", f"supervising `{shlex.join(redact_argv(list(command)))}`"
+                                            f", probing {redact_url(url)}")
+        if backoff_reset is not None:
+            from .config import RETIRED
+
+            supervisor.events.warning("option", f"--backoff-reset: {RETIRED['backoff_reset']}")
         try:
             code = supervisor.run()
         except SupervisorError as exc:
@@ -306,9 +317,13 @@ def watch_command(
         raise click.ClickException(str(exc)) from None
     names = [i.name for i in config.instances]
     if check:
+        for warning in config.warnings:
+            click.echo(f"warning: {warning}", err=True)
         click.echo(f"{config_path}: OK, {len(names)} instance(s): {', '.join(names)}")
         return
     setup_logging(log_format or config.log_format)
+    for warning in config.warnings:
+        Events().warning("config", warning)
     metrics = _metrics(metrics_port or config.metrics_port, metrics_host or config.metrics_host)
     state = StateStore(state_file or config.state_file or default_state_path())
     monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}
@@ -317,31 +332,134 @@ def watch_command(
 
 
 @click.command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print the state file as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the instances as JSON (each with its shown state as \"status\").")
+@click.option("--prune", is_flag=True,
+              help="Forget every instance whose watchdog stopped or is gone (stale), then show "
+              "the rest.")
+@click.option("--no-color", "no_color", is_flag=True,
+              help="No colour even on a terminal (so does a set NO_COLOR variable).")
 @_state_file_option
 @click.pass_context
-def status_command(ctx: click.Context, as_json: bool, state_file: Optional[str]) -> None:
-    """Show what the running watchdog last saw of each instance."""
-    path = state_file or default_state_path()
+def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: bool,
+                   state_file: Optional[str]) -> None:
+    """Show what the running watchdogs last saw of each instance.
+
+    Without --state-file it reads the shared state file and every installed
+    instance's NAME.state.json (in each service manager's state folder). A
+    row whose watchdog is gone, or silent for three intervals, reads "stale
+    (watchdog not running)"; one whose watchdog stopped cleanly, "stopped".
+    Exits 0 when every instance is healthy or busy, 1 otherwise (like
+    `systemctl is-active`) and when there is nothing to show.
+    """
+    from .state import SERVING_STATES, STALE, STOPPED, prune_state, status_of
+
     secret(os.environ.get(defaults.API_KEY_ENV))  # known, so scrubbed from the output
-    try:
-        data = read_state(path)
-    except FileNotFoundError:
-        click.echo(
-            f"no state file at {path}: is `mlx-watchdog supervise` or `watch` running "
-            "(with this --state-file)?",
-            err=True,
-        )
+    paths = [Path(state_file)] if state_file else _state_files()
+    now = time.time()
+    if prune:
+        for path in paths:
+            try:
+                forgotten = prune_state(
+                    path, lambda record: status_of(record, now) in (STALE, STOPPED))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:
+                click.echo(f"cannot prune {path}: {exc}", err=True)
+                continue
+            for name in forgotten:
+                click.echo(f"forgot {printable(name)} ({path})", err=True)
+    instances: dict = {}
+    found = []
+    for path in paths:
+        try:
+            data = read_state(path)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            click.echo(f"cannot read {path}: {exc}", err=True)
+            continue
+        found.append(path)
+        for name, record in data["instances"].items():
+            key = name if name not in instances else f"{name} ({path})"
+            instances[key] = record
+    if not found:
+        if state_file:
+            message = (f"no state file at {paths[0]}: is `mlx-watchdog supervise` or `watch` "
+                       "running (with this --state-file)?")
+        else:
+            folders = sorted({str(p.parent) for p in paths[1:]})
+            message = (f"no state file at {paths[0]}, nor an installed instance's in "
+                       f"{', '.join(folders)}: is `mlx-watchdog supervise`, `watch` or an "
+                       "installed instance running?")
+        click.echo(message, err=True)
         ctx.exit(1)
-    except (OSError, ValueError) as exc:
-        click.echo(f"cannot read {path}: {exc}", err=True)
-        ctx.exit(1)
+    shown = {name: status_of(record, now) for name, record in instances.items()}
     if as_json:
         from .redact import scrub
 
-        click.echo(scrub(json.dumps(data, indent=2, sort_keys=True)))
+        out = {name: dict(record, status=shown[name]) if isinstance(record, dict) else record
+               for name, record in instances.items()}
+        click.echo(scrub(json.dumps({"instances": out, "files": [str(p) for p in found]},
+                                    indent=2, sort_keys=True)))
     else:
-        click.echo(format_status(data, colour=sys.stdout.isatty()))
+        colour = colour_wanted(no_color)
+        click.echo(format_status({"instances": instances}, now=now, colour=colour))
+    ctx.exit(0 if shown and all(state in SERVING_STATES for state in shown.values()) else 1)
+
+
+def _state_files() -> "list[Path]":
+    """The shared state file, then every state file in the installed
+    instances' state folders (NAME.state.json, and a state.json there)."""
+    from .install.backend import state_folders
+
+    paths = [default_state_path()]
+    for folder in [default_state_path().parent] + state_folders(home=Path.home(),
+                                                                 environ=os.environ):
+        try:
+            paths += sorted(folder.glob("*.state.json")) + [folder / "state.json"]
+        except OSError:
+            continue
+    unique = []
+    for path in paths:
+        if path not in unique:
+            unique.append(path)
+    return unique
+
+
+def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
+    """install's checks of a server's flags, before the first start: a model
+    path that does not exist, or a port another process holds, would only
+    make the server die at every start, forever. (Skipped for the port with
+    --no-listener-check: then the port may well be held by something that
+    forwards to the child.)"""
+    from .install.hostcheck import check_port_free, looks_like_local_path, resolve_model
+    from .install.instance import FlagError
+    from .urls import bind_host, flag_value
+
+    model = flag_value(command, "--model")
+    try:
+        if model is not None and looks_like_local_path(model):
+            resolve_model(model)
+        port = flag_value(command, "--port")
+        if listener_check and port is not None and port.isdigit():
+            check_port_free(bind_host(command), int(port))
+    except FlagError as exc:
+        fix = {"--model": "give the server a model folder that exists",
+               "--port": "stop what holds the port, or give the server another --port",
+               "--host": "give the server a --host of this machine"}.get(exc.flag, "")
+        raise click.ClickException(
+            f"cannot start the server: {exc.flag} {exc.message}; it would die at every start"
+            + (f" ({fix})" if fix else "")) from None
+
+
+def _check_name(name: Optional[str]) -> Optional[str]:
+    from .config import name_problem
+    from .redact import printable
+
+    if name is not None and name_problem(name):
+        raise click.BadParameter(f"'{printable(name)}': {name_problem(name)}")
+    return name
 
 
 def _group_command(command, env, private, remote_shim_path, no_shim):

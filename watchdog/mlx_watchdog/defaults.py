@@ -40,7 +40,6 @@ STACKS_WAIT_S = 2.0  # after SIGUSR1, wait this long for the server's stacks fil
 ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
 BACKOFF_INITIAL_S = 1.0
 BACKOFF_MAX_S = 60.0  # restarts are never paused longer than this
-BACKOFF_RESET_S = 600.0  # healthy this long after a good probe: the backoff resets
 MAX_RESTARTS = 5  # this many per window is shown as crash-looping (restarts go on)
 RESTART_WINDOW_S = 300.0
 
@@ -49,8 +48,16 @@ METRICS_HOST = "127.0.0.1"
 LOG_FORMAT = "text"
 API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
 HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
+# Sent with every probe request (value "1"): the shim keeps such requests out
+# of the server's log and throughput counters (patches/heartbeat.py), and its
+# admission part never refuses one nor queues it behind waiting clients.
+PROBE_HEADER = "X-MLX-Watchdog-Probe"
+BUSY_ERROR_TYPE = "server_busy"  # the shim's 503 when it sheds load (admission)
 SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
 REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
+# The instance's name, for the shim's crash reports (several instances share a
+# report folder); supervise and install set it.
+INSTANCE_ENV = "MLX_HOTFIX_INSTANCE"
 
 # Installing
 MANAGERS = ("launchd", "systemd")  # the service managers `install` writes for

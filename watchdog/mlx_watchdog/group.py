@@ -8,7 +8,8 @@ mlx/_distributed_utils/launch.py) and rely on here:
 - Local ranks inherit the launcher's environment, so PYTHONPATH (the shim)
   and MLX_HOTFIX_HEARTBEAT_FILE reach them as they are. Remote ranks get only
   `--env K=V` (and the hostfile's "envs"): the shim's path on those hosts is
-  passed that way.
+  passed that way. But `--env` is exported on every rank, local ones too:
+  the PYTHONPATH passed keeps this machine's after the remote shim's path.
 - When a rank exits non-zero the launcher terminates the others, logs
   "Node with rank N exited with code C", and then itself exits **0**. A
   service manager that restarts on failure never restarts such a group, so
@@ -34,7 +35,6 @@ import ipaddress
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess
@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import defaults
-from .heartbeat import HeartbeatReading, HeartbeatTracker
+from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
+from .redact import printable
+from .safefile import read_regular
 from .urls import WILDCARD_HOSTS, bind_host, url_from_command
 
 LAUNCH_MODULES = ("mlx.launch", "mlx._distributed_utils.launch")
@@ -102,6 +104,20 @@ class LaunchCommand:
     @property
     def local_ranks(self) -> List[int]:
         return [rank for rank, host in enumerate(self.hosts) if host.local]
+
+    def launch_env(self) -> Dict[str, str]:
+        """The launcher's own `--env K=V` assignments (what remote ranks get)."""
+        found: Dict[str, str] = {}
+        for i, arg in enumerate(self.options):
+            if arg == "--env" and i + 1 < len(self.options):
+                assignment = self.options[i + 1]
+            elif arg.startswith("--env="):
+                assignment = arg[len("--env="):]
+            else:
+                continue
+            key, _, value = assignment.partition("=")
+            found[key] = value
+        return found
 
     def with_env(self, assignments: Mapping[str, str]) -> "LaunchCommand":
         """The same command with `--env K=V` added (reaches remote ranks)."""
@@ -196,9 +212,19 @@ def parse_launch(argv: Sequence[str], *, read_hostfile: bool = True) -> Optional
         names = (values.get("--hosts") or [LOCAL_HOST])[-1].split(",")
         if any(not name for name in names):
             raise GroupError("mlx.launch --hosts has an empty host name")
+        for name in names:
+            check_host_name(name, "mlx.launch --hosts")
         hosts = [Host(name, [name] if _is_ip(name) else [])
                  for name in names for _ in range(int(repeat))]
     return LaunchCommand(launcher, options, server, hosts, backend, hostfile)
+
+
+_HOSTFILE_BYTES = 1 << 20
+
+
+def _read_hostfile(path: "str | os.PathLike[str]") -> object:
+    # A regular file only: a FIFO there would block install and doctor.
+    return json.loads(read_regular(path, _HOSTFILE_BYTES))
 
 
 def _is_ip(name: str) -> bool:
@@ -212,7 +238,7 @@ def _is_ip(name: str) -> bool:
 def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str]]:
     """The hosts (rank order) and backend of an mlx.launch JSON hostfile."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = _read_hostfile(path)
     except FileNotFoundError:
         raise GroupError(f"hostfile {path} does not exist") from None
     except (OSError, ValueError) as exc:
@@ -232,8 +258,20 @@ def read_hosts(path: "str | os.PathLike[str]") -> Tuple[List[Host], Optional[str
         ips = entry.get("ips") or []
         if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
             raise GroupError(f"hostfile {path}: host {rank} \"ips\" must be a list of strings")
-        hosts.append(Host(entry["ssh"], list(ips)))
+        hosts.append(Host(check_host_name(entry["ssh"], f"hostfile {path}: host {rank}"),
+                          list(ips)))
     return hosts, backend
+
+
+def check_host_name(name: str, where: str) -> str:
+    """name, or GroupError: a host name that starts with "-" is read by ssh
+    as an option (-oProxyCommand=... runs a command here), by mlx.launch and
+    by our own checks alike."""
+    if name.startswith("-"):
+        raise GroupError(
+            f"{where}: host name {printable(name)!r} starts with '-', which ssh reads as "
+            "an option, not a host; give the host's name or address (user@host works)")
+    return name
 
 
 # -- this machine's names -------------------------------------------------------------
@@ -262,7 +300,7 @@ def localize_hostfile(path: "str | os.PathLike[str]", out: "str | os.PathLike[st
     """Write a copy of the hostfile in which this machine's names (localhost,
     its hostname, a loopback address) read 127.0.0.1, the one name mlx.launch
     runs without ssh. True if anything changed (then use `out`)."""
-    data = json.loads(Path(path).read_text())
+    data = _read_hostfile(path)
     entries = data.get("hosts") if isinstance(data, dict) else data
     changed = False
     for entry in entries or []:
@@ -299,9 +337,10 @@ Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def ssh_check_argv(host: str, remote_command: str = "true") -> List[str]:
-    """How we reach a host: as mlx.launch does (ssh), but never prompting."""
+    """How we reach a host: as mlx.launch does (ssh), but never prompting.
+    `--` ends ssh's options: the host is never read as one."""
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=QUIET",
-            host, remote_command]
+            "--", check_host_name(host, "ssh"), remote_command]
 
 
 def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
@@ -323,72 +362,6 @@ def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
                 f"{result.returncode}{': ' + why[-1] if why else ''}); mlx.launch reaches "
                 "every host but 127.0.0.1 by ssh, without a password prompt: set up key "
                 "login, or name this machine 127.0.0.1")
-    return problems
-
-
-_VERSIONS_SCRIPT = (
-    "import importlib.metadata as m, json, os\n"
-    "v = {}\n"
-    "for d in ('mlx', 'mlx-lm'):\n"
-    "    try: v[d] = m.version(d)\n"
-    "    except Exception: v[d] = None\n"
-    "p = os.environ.get('SHIM', '')\n"
-    "v['shim'] = os.path.isfile(os.path.join(p, 'mlx_hotfix', '__init__.py'))\n"
-    "print(json.dumps(v))\n"
-)
-
-
-def check_hostfile(path: "str | os.PathLike[str]", *, python: Optional[str] = None,
-                   shim_path: Optional[str] = None, run: Runner = subprocess.run) -> List[str]:
-    """For `mlx-watchdog doctor`: every problem with serving from this hostfile,
-    one line each ([] when fine): the file parses, each host is reachable the
-    way mlx.launch reaches it, and each has the same mlx, mlx-lm and shim.
-
-    python: the interpreter ranks run (default: this one; same path on every
-    host, as mlx.launch assumes); shim_path: the shim folder on the hosts
-    (default: this installation's, the same path everywhere).
-    """
-    try:
-        hosts, _ = read_hosts(path)
-    except GroupError as exc:
-        return [str(exc)]
-    python = python or sys.executable
-    if shim_path is None:
-        from .shim import shim_dir
-
-        try:
-            shim_path = str(shim_dir())
-        except FileNotFoundError as exc:
-            return [str(exc)]
-    names = []
-    for host in hosts:
-        name = LOCAL_HOST if is_this_machine(host.ssh) else host.ssh
-        if name not in names:
-            names.append(name)
-    remote = [n for n in names if n != LOCAL_HOST]
-    problems = unreachable_hosts(remote, run=run)
-    bad = {p.split(":", 1)[0] for p in problems}
-    found: Dict[str, object] = {}
-    for name in names:
-        if name in bad:
-            continue
-        script = f"SHIM={shlex.quote(shim_path)} {shlex.quote(python)} -c " \
-                 f"{shlex.quote(_VERSIONS_SCRIPT)}"
-        argv = ["bash", "-c", script] if name == LOCAL_HOST else ssh_check_argv(name, script)
-        try:
-            result = run(argv, capture_output=True, text=True, timeout=60)
-            versions = json.loads(result.stdout.strip().splitlines()[-1])
-        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-            problems.append(f"{name}: cannot run {python} there to read the mlx versions")
-            continue
-        if not versions.get("shim"):
-            problems.append(f"{name}: no hotfix shim at {shim_path} (install mlx-watchdog "
-                            "there, or pass its path with --remote-shim-path)")
-        found[name] = (versions.get("mlx"), versions.get("mlx-lm"))
-    if len(set(found.values())) > 1:
-        listing = "; ".join(f"{n}: mlx {v[0]}, mlx-lm {v[1]}" for n, v in found.items())
-        problems.append(f"the hosts run different releases ({listing}): every rank must "
-                        "run the same mlx and mlx-lm")
     return problems
 
 
@@ -416,20 +389,33 @@ class GroupHeartbeat:
     For a lone server only the one file exists and this is a HeartbeatTracker.
     The worst reading: a rank whose own record says it stalled, else the
     oldest beat. So a rank that stops beating makes the group's heartbeat
-    stale, whatever the others do.
+    stale, whatever the others do. Owned by one thread, as HeartbeatTracker;
+    `accepted` covers every rank.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", **tracker_options):
         self.path = path
         self._options = tracker_options
         self._trackers: Dict[str, HeartbeatTracker] = {}
+        self.accepted: Dict[str, int] = {}
 
     def sample(self) -> Optional[HeartbeatReading]:
+        return self.observe(read_record(self.path))
+
+    def observe(self, record: Optional[dict]) -> Optional[HeartbeatReading]:
+        """The worst reading, rank 0's from record (read by the caller), the
+        other ranks' read here."""
         files = [str(self.path), *rank_heartbeat_files(self.path)]
         for file in files:
             if file not in self._trackers:
                 self._trackers[file] = HeartbeatTracker(file, **self._options)
-        readings = [r for r in (t.sample() for t in self._trackers.values()) if r is not None]
+        rank0, *others = self._trackers.values()
+        readings = [r for r in (rank0.observe(record), *(t.sample() for t in others))
+                    if r is not None]
+        accepted: Dict[str, int] = {}
+        for tracker in self._trackers.values():
+            accepted.update(tracker.accepted)
+        self.accepted = accepted
         if not readings:
             return None
         return max(readings, key=lambda r: (r.phase not in ("loading", "serving"), r.age_s))
@@ -442,6 +428,7 @@ class GroupHeartbeat:
 
     def reset(self) -> None:
         self._trackers.clear()
+        self.accepted = {}
 
 
 def heartbeat_tracker(path: "str | os.PathLike[str]", **options) -> GroupHeartbeat:
@@ -457,7 +444,8 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     """For supervise and exec: the group command as it should run, or None if
     argv is not mlx.launch. Local host names in the hostfile become 127.0.0.1;
     remote ranks get the shim (`--env PYTHONPATH=`, at remote_shim_path, by
-    default the same path as here) and the heartbeat and shim settings.
+    default the same path as here, followed by this machine's PYTHONPATH for
+    the local ranks) and the shim's settings.
     GroupError when it cannot run."""
     command = parse_launch(argv)
     if command is None:
@@ -466,9 +454,12 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     if not command.remote_hosts:
         return command
     # The shim's settings, but not the heartbeat file: its folder is on this host.
+    # What the command itself passes with --env stands (it comes first: ours
+    # would win), but the shim goes in front of its PYTHONPATH.
+    own = command.launch_env()
     forwarded = {k: v for k, v in env.items()
-                 if (k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
-                 or k == "HF_HUB_OFFLINE"}
+                 if ((k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
+                     or k == "HF_HUB_OFFLINE") and k not in own}
     if not shim:
         return command.with_env(forwarded)
     shim_folder = remote_shim_path or env.get(REMOTE_SHIM_ENV)
@@ -480,7 +471,14 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
         except FileNotFoundError:
             shim_folder = None
     if shim_folder:
-        forwarded = {"PYTHONPATH": shim_folder, **forwarded}
+        # mlx.launch exports --env for every rank, local ones too: so this
+        # PYTHONPATH ends with this machine's own (its shim first), which a
+        # local rank would otherwise lose. A folder missing on a host is
+        # skipped there; the first shim found runs.
+        entries = [shim_folder, *own.get("PYTHONPATH", "").split(":"),
+                   *env.get("PYTHONPATH", "").split(os.pathsep)]
+        path = ":".join(dict.fromkeys(e for e in entries if e))  # ':' on macOS and Linux
+        forwarded = {"PYTHONPATH": path, **forwarded}
     return command.with_env(forwarded)
 
 

@@ -24,9 +24,9 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
-from .safefile import open_regular
+from .safefile import read_regular
 
 LOADING = "loading"
 SERVING = "serving"
@@ -57,14 +57,29 @@ class HeartbeatReading:
     started: Optional[float] = None
     in_flight: Optional[int] = None
     warning: Optional[str] = None
+    delivered: Optional[int] = None  # tokens this process delivered to clients
+
+
+def read_record(path: "str | os.PathLike[str]") -> Optional[Dict[str, Any]]:
+    """The heartbeat file as a dict, or None if missing, partial or garbage.
+
+    Read as safefile reads: the folder may belong to the server's user, and
+    a link or a FIFO planted there must neither be followed nor block us.
+    """
+    try:
+        data = json.loads(read_regular(path, _MAX_BYTES))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
     """The heartbeat in path, or None if the file is missing, partial or garbage."""
-    try:
-        data = json.loads(_read_regular_file(path))
-    except (OSError, ValueError):
-        return None
+    return parse_heartbeat(read_record(path))
+
+
+def parse_heartbeat(data: Optional[Dict[str, Any]]) -> Optional[Heartbeat]:
+    """The heartbeat in a record read by read_record (None: none in it)."""
     if not isinstance(data, dict):
         return None
     pid, beats, stamp, phase = (data.get(k) for k in ("pid", "beats", "time", "phase"))
@@ -80,13 +95,6 @@ def read_heartbeat(path: "str | os.PathLike[str]") -> Optional[Heartbeat]:
         delivered=delivered if _is_int(delivered) else None,
         warning=_text(data.get("warning")),
     )
-
-
-def _read_regular_file(path: "str | os.PathLike[str]") -> bytes:
-    # Not a link nor a FIFO (safefile: O_NOFOLLOW, O_NONBLOCK): the folder may
-    # belong to the server's user, and a FIFO must not block the watchdog.
-    with os.fdopen(open_regular(path), "rb") as handle:
-        return handle.read(_MAX_BYTES)
 
 
 def path_problem(path: "str | os.PathLike[str]") -> Optional[str]:
@@ -165,6 +173,11 @@ class HeartbeatTracker:
     soon as the timestamp says so, even when the last beats came in just after
     the previous read, and a wall clock that jumps moves the age by at most
     the time between two reads.
+
+    One thread owns a tracker: the monitor's, which samples and resets it.
+    Any other thread (the probe's give-up check) reads the file itself and
+    looks only at `accepted`: {path: pid} of the writer the owner last took
+    as the judged process, a dict replaced whole, never changed in place.
     """
 
     def __init__(
@@ -173,7 +186,7 @@ class HeartbeatTracker:
         *,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
-        read: Callable[..., Optional[Heartbeat]] = read_heartbeat,
+        read: Callable[..., Optional[Dict[str, Any]]] = read_record,
         owner: Optional[Callable[[], Optional[int]]] = None,
     ):
         self.path = path
@@ -185,11 +198,17 @@ class HeartbeatTracker:
         self.reset()
 
     def sample(self) -> Optional[HeartbeatReading]:
-        beat = self._read(self.path)
+        """Read the file and observe it."""
+        return self.observe(self._read(self.path))
+
+    def observe(self, record: Optional[Dict[str, Any]]) -> Optional[HeartbeatReading]:
+        """The reading of a record the caller read (read_record) from the file."""
+        beat = parse_heartbeat(record)
         now = self._monotonic()
         last, read_before = self._last, self._read_at
         self._read_at = now
         beat, self.problem = self._judged(beat)
+        self.accepted = {} if beat is None else {os.fspath(self.path): beat.pid}
         if beat is None:
             return None
         self._last = beat
@@ -207,6 +226,7 @@ class HeartbeatTracker:
             started=beat.started,
             in_flight=beat.in_flight,
             warning=beat.warning,
+            delivered=beat.delivered,
         )
 
     def _judged(self, beat: Optional[Heartbeat]):
@@ -226,6 +246,7 @@ class HeartbeatTracker:
 
     def reset(self) -> None:
         """Forget the previous reading (the server was restarted)."""
+        self.accepted: Dict[str, int] = {}
         self._last: Optional[Heartbeat] = None
         self._read_at: Optional[float] = None  # monotonic time of the previous read
         self._first_seen = 0.0  # when the current beat was first read

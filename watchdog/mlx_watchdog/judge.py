@@ -54,6 +54,16 @@ state, a short reason, and whether to restart. The rule:
       The loop may still turn (a livelock, upstream #1493): beats alone are
       not progress, deliveries are. A saturated server keeps delivering and
       is never stalled.
+   f. (Checked before b.) Busy and shedding: the shim's admission part
+      refused the probe with its 503 "server_busy" (the queue is full; the
+      probe is normally exempt, so this is an older probe or a client
+      watching the same way). An answer at all proves the HTTP side lives;
+      the answer also says when the server last delivered a token. Within
+      `heartbeat_timeout`: **busy**, never restarted, however long the
+      storm. Older (or not said): no proof of progress, so it goes on as a
+      timeout would (b, c, d): CPU, or busy up to `max_busy`.
+      A wedged server is not busy: its loop stops (stale heartbeat) or
+      delivers nothing (stalled), and its answers say so.
    Until one of these limits is reached, a failure without progress is
    **failing** (not yet acted on).
 
@@ -192,6 +202,11 @@ class Judge:
                 True,
                 HEARTBEAT_STALE,
             )
+        age = probe.last_delivery_age_s
+        if probe.shedding and age is not None and age <= self.config.heartbeat_timeout_s:
+            self._stalled = 0
+            return Verdict(BUSY, f"{probe.reason}; busy and shedding load, last delivery "
+                                 f"{age:.1f}s ago")
         if evidence.cpu_s is not None and evidence.wall_s:
             share = evidence.cpu_s / evidence.wall_s
             if share >= self.config.cpu_busy_fraction:
@@ -205,9 +220,10 @@ class Judge:
                 f"{probe.reason}; CPU idle ({share:.1%} of a core)",
                 NO_PROGRESS,
             )
-        if probe.http_status is None or probe.http_status in (502, 504):
-            # No answer at all: as likely queued as stuck. Without evidence,
-            # give it the benefit of the doubt, up to max_busy.
+        if probe.http_status is None or probe.http_status in (502, 504) or probe.shedding:
+            # No answer at all (or "busy" without a recent delivery): as
+            # likely queued as stuck. Without evidence, give it the benefit
+            # of the doubt, up to max_busy.
             missing = evidence.process_problem or "no CPU or heartbeat to check"
             return self._busy(evidence, f"{probe.reason}; {missing}")
         self._stalled += 1

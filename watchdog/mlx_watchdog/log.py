@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
 from datetime import datetime
 from typing import IO, Any, Optional
 
-from .redact import scrub
+from .redact import printable, scrub
 
 LOGGER = logging.getLogger("mlx_watchdog")
 FORMATS = ("text", "json")
@@ -40,18 +42,38 @@ class JsonFormatter(logging.Formatter):
         return scrub(json.dumps(line, default=str))
 
 
+def colour_wanted(no_color: bool = False) -> bool:
+    """Colour on a terminal, unless --no-color or NO_COLOR (no-color.org: set
+    and not empty) says otherwise."""
+    return sys.stdout.isatty() and not no_color and not os.environ.get("NO_COLOR")
+
+
+def _said(value: Any, message: str) -> bool:
+    """Whether the message already says value (as a whole word)."""
+    if isinstance(value, (dict, list, tuple)) or value is None or value == "":
+        return False
+    text = re.escape(str(value))
+    return re.search(rf"(?<![\w.-]){text}(?![\w-]|\.\d)", message) is not None
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
+        # One event, one line: control characters in a name or a message
+        # (a newline, ESC) are escaped, so nothing forges a line or drives
+        # the terminal. A traceback keeps its lines, each escaped.
         instance = getattr(record, "instance", None)
         parts = [_timestamp(record.created), f"{record.levelname:<7}"]
         if instance:
-            parts.append(f"[{instance}]")
-        parts.append(f"{getattr(record, 'event', 'log')}: {record.getMessage()}")
+            parts.append(f"[{printable(instance)}]")
+        message = record.getMessage()
+        parts.append(f"{printable(getattr(record, 'event', 'log'))}: {printable(message)}")
         for key, value in getattr(record, "fields", {}).items():
-            parts.append(f"{key}={json.dumps(value, default=str)}")
+            if not _said(value, message):  # one line per event, nothing said twice
+                parts.append(f"{printable(key)}={json.dumps(value, default=str)}")
         text = " ".join(parts)
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+            trace = self.formatException(record.exc_info)
+            text += "\n" + "\n".join(printable(line) for line in trace.split("\n"))
         return scrub(text)
 
 
@@ -97,3 +119,30 @@ class Events:
         self.logger.exception(
             message, extra={"event": event, "instance": self.instance, "fields": fields}
         )
+
+
+class LoopFailures:
+    """For a long-running loop that must survive its own exceptions: each
+    failure is said once, with its traceback, not at every turn. The same
+    failure again is said again only after the loop recovered or failed
+    differently in between; a recovery is said too."""
+
+    def __init__(self, events: Events, event: str, message: str):
+        self.events = events
+        self.event = event
+        self.message = message
+        self._last: Optional[str] = None  # the failure said last, while it lasts
+
+    def failed(self) -> None:
+        """Call from the `except` block."""
+        exc = sys.exc_info()[1]
+        what = f"{type(exc).__name__}: {exc}"
+        if what != self._last:
+            self.events.exception(self.event, self.message)
+            self._last = what
+
+    def ok(self) -> None:
+        """Call after a turn that went through."""
+        if self._last is not None:
+            self.events.info(self.event, f"recovered after: {self._last}")
+            self._last = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest, start_http_server
 
 from . import defaults
@@ -12,7 +12,10 @@ from .judge import STATES
 from .probe import ProbeResult
 from .throughput import COUNTERS, ThroughputReading
 
+STATE_LABEL = "state"  # mlx_watchdog_state{state="healthy"}: the rules and dashboard query it
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# heartbeat counter (throughput.COUNTERS) -> the reason label of mlx_watchdog_rejected_total
+_REJECTED = {"rejected_queue_full": "queue_full", "rejected_queue_timeout": "queue_timeout"}
 
 
 class Metrics:
@@ -39,11 +42,22 @@ class Metrics:
             ["instance", "reason"],
             registry=self.registry,
         )
-        self.state = Enum(
+        # One series per state, 1 for the current one and 0 for the others,
+        # labelled `state` (STATE_LABEL). Not a prometheus_client Enum: that
+        # names its label after the metric (mlx_watchdog_state="healthy"),
+        # which no rule or panel written as state="..." ever matched.
+        self.state = Gauge(
             "mlx_watchdog_state",
-            "The judge's verdict on the instance.",
+            "The judge's verdict on the instance: 1 for the current state, 0 for the others.",
+            ["instance", STATE_LABEL],
+            registry=self.registry,
+        )
+        self.shim_loaded = Gauge(
+            "mlx_watchdog_shim_loaded",
+            "1 once the hotfix shim's heartbeat was seen; 0 when a heartbeat file is "
+            "configured and none appeared by the end of the boot grace (the shim is not "
+            "loaded: no exit on death, no stall detection).",
             ["instance"],
-            states=list(STATES),
             registry=self.registry,
         )
 
@@ -54,11 +68,33 @@ class Metrics:
             "decode_tokens": "Tokens generated (decode), from the shim's heartbeat.",
             "requests": "Requests the server finished (completed or failed), from the heartbeat.",
             "cancelled_requests": "Requests cancelled (client gone), from the shim's heartbeat.",
+            "deadline_stops": "Requests stopped at their deadline (MLX_HOTFIX_REQUEST_TIMEOUT "
+                              "or X-Request-Timeout), from the shim's heartbeat.",
         }
         self.server_counters = {
             name: Counter(f"mlx_watchdog_{name}", helps[name], ["instance"], registry=self.registry)
-            for name in COUNTERS.values()
+            for name in COUNTERS.values() if name in helps
         }
+        self.rejected = Counter(
+            "mlx_watchdog_rejected",
+            "Requests the shim refused with 503 busy, by reason: queue_full "
+            "(MLX_HOTFIX_MAX_QUEUE) or queue_timeout (MLX_HOTFIX_QUEUE_TIMEOUT); "
+            "from the heartbeat.",
+            ["instance", "reason"],
+            registry=self.registry,
+        )
+        self.queued = Gauge(
+            "mlx_watchdog_queued",
+            "Requests waiting for a slot, from the shim's heartbeat (admission part).",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.running = Gauge(
+            "mlx_watchdog_running",
+            "Requests generating (holding a slot), from the shim's heartbeat (admission part).",
+            ["instance"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "mlx_watchdog_in_flight",
             "Requests the server is working on, from the shim's heartbeat.",
@@ -76,15 +112,22 @@ class Metrics:
         """Create an instance's counters at zero, so increase() sees their first step."""
         for counter in self.server_counters.values():
             counter.labels(instance)
+        for reason in _REJECTED.values():
+            self.rejected.labels(instance, reason)
         self.crash_reports.labels(instance)
         for cause in causes:
             self.restarts.labels(instance, cause)
 
     def observe_throughput(self, instance: str, reading: ThroughputReading) -> None:
         for name, increment in reading.increments.items():
-            self.server_counters[name].labels(instance).inc(increment)
-        if reading.in_flight is not None:
-            self.in_flight.labels(instance).set(reading.in_flight)
+            if name in _REJECTED:
+                self.rejected.labels(instance, _REJECTED[name]).inc(increment)
+            else:
+                self.server_counters[name].labels(instance).inc(increment)
+        for gauge, value in ((self.in_flight, reading.in_flight), (self.queued, reading.queued),
+                             (self.running, reading.running)):
+            if value is not None:
+                gauge.labels(instance).set(value)
 
     def reports_written(self, instance: str, count: int) -> None:
         if count:
@@ -94,7 +137,11 @@ class Metrics:
         if probe is not None:
             self.probe_latency.labels(instance).observe(probe.latency_s)
             self.up.labels(instance).set(1 if probe.ok else 0)
-        self.state.labels(instance).state(state)
+        for name in STATES:
+            self.state.labels(instance, name).set(1 if name == state else 0)
+
+    def shim(self, instance: str, loaded: bool) -> None:
+        self.shim_loaded.labels(instance).set(1 if loaded else 0)
 
     def restarted(self, instance: str, cause: str) -> None:
         self.restarts.labels(instance, cause).inc()

@@ -8,18 +8,19 @@ monitors; everything a tick touches is injected, so tests drive it with fakes.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Protocol
 
 from .act import ActionResult
 from .policy import RestartPolicy
-from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker
+from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import judge as judge_module
-from .judge import CRASH_LOOPING, HEALTHY, STARTING, Evidence, Judge, Verdict
+from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
-from .probe import UNREACHABLE, ProbeResult
+from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
@@ -61,6 +62,7 @@ class Monitor:
         action: Optional[RestartAction],  # None: watch and report, never restart
         url: str = "",
         heartbeat: Optional[HeartbeatTracker] = None,
+        heartbeat_file: "Optional[str | os.PathLike[str]]" = None,  # read once per tick
         process: Optional[ProcessEvidence] = None,
         listener: Optional[Callable[[ProbeResult], Optional[str]]] = None,
         events: Optional[Events] = None,
@@ -70,6 +72,8 @@ class Monitor:
         reports: Optional[ReportWatcher] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
+        expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
     ):
         self.name = name
         self.probe = probe
@@ -78,6 +82,7 @@ class Monitor:
         self.action = action
         self.url = redact_url(url)
         self.heartbeat = heartbeat
+        self.heartbeat_file = heartbeat_file
         self.process = process
         self.listener = listener  # listener.ListenerCheck: who holds the port
         self._heartbeat_problem: Optional[str] = None
@@ -89,16 +94,27 @@ class Monitor:
         self.clock = clock
         self.wall_clock = wall_clock
         self.verdict: Optional[Verdict] = None
+        # Set (a plain assignment, safe in a signal handler) when whoever runs
+        # this monitor is stopping: an exit or a failure is then expected,
+        # nothing to restart and nothing to warn about.
+        self.stopping = False
         self.restarts = 0
         self._since = wall_clock()
+        self._progress_at = self._since
         self._last_probe: Optional[Dict[str, Any]] = None
         self._last_restart: Optional[Dict[str, Any]] = None
         self._state_error: Optional[str] = None
         self._process_problem: Optional[str] = None
         self._last_ok_probe: Optional[float] = None
+        self._abandoned = 0  # probes in a row abandoned while awaiting their answer
         self._server: Optional[Dict[str, Any]] = None  # throughput, from the heartbeat
         self._newest_report: Optional[Dict[str, Any]] = None
         self._warning: Optional[str] = None  # the shim's known-bad-install line
+        self.update_every_s = update_every_s
+        # The shim is expected (a heartbeat file is configured): is it loaded?
+        self.expect_shim = heartbeat is not None if expect_shim is None else expect_shim
+        self._shim_seen = False  # a fresh heartbeat since the (re)start
+        self._shim_warning: Optional[str] = None
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -114,14 +130,24 @@ class Monitor:
         if exited is not None:
             return self._tick_exited(exited)
         probe = self.probe()
+        self._note_abandoned(probe)
+        port_held_by = self.listener(probe) if self.listener else None
+        if port_held_by and probe.ok:
+            # Another process answered: no evidence our server serves. Not a
+            # "last ok probe", not up, no reset of the backoff.
+            probe = replace(probe, status=UNHEALTHY, tokens=0, warning=None,
+                            reason=f"not our server's answer: {port_held_by}")
         # A failed probe is when CPU time matters: then look for new child
         # processes too (a scan of the whole process table).
         sample = self.process.sample(rescan=not probe.ok) if self.process else ProcessSample()
-        beat = self.heartbeat.sample() if self.heartbeat else None
+        # One read of the heartbeat file for all its readers (safe: no link,
+        # no FIFO), so they agree, and a planted FIFO cannot block the tick.
+        record = read_record(self.heartbeat_file) if self.heartbeat_file else None
+        beat = self.heartbeat.observe(record) if self.heartbeat else None
         self._note_heartbeat_problem()
         self._note_warning(beat, probe)
-        port_held_by = self.listener(probe) if self.listener else None
-        self._observe_server()
+        self._note_shim(beat, probe)
+        self._observe_server(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -145,6 +171,8 @@ class Monitor:
             self._process_problem = sample.problem
         if probe.ok:
             self.policy.healthy(now)
+        elif self._delivered(beat):
+            self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
             verdict = self.restart(verdict)
         self.report(verdict, probe)
@@ -165,16 +193,18 @@ class Monitor:
         self.report(verdict)
         return verdict
 
-    def _observe_server(self) -> None:
-        """Throughput counters from the heartbeat, and new crash reports."""
+    def _observe_server(self, record: Optional[Dict[str, Any]]) -> None:
+        """Throughput counters from the heartbeat record, and new crash reports."""
         if self.throughput is not None:
-            reading = self.throughput.sample()
+            reading = self.throughput.observe(record)
             if reading is not None:
                 if self.metrics is not None:
                     self.metrics.observe_throughput(self.name, reading)
                 self._server = {
                     "phase": reading.phase,
                     "in_flight": reading.in_flight,
+                    "queued": reading.queued,
+                    "running": reading.running,
                     "decode_tok_s": reading.rates.get("decode_tokens"),
                     "prefill_tok_s": reading.rates.get("prefill_tokens"),
                     "last_delivery": reading.last_delivery,
@@ -193,6 +223,8 @@ class Monitor:
         """Restart for verdict, if the policy allows; returns what happened."""
         if self.action is None:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
+        if self.stopping:  # a normal stop: not a failure
+            return replace(verdict, restart=False, reason=f"{verdict.reason}; stopping")
         now = self.clock()
         decision = self.policy.check(now)
         if decision.crash_looping:
@@ -210,7 +242,11 @@ class Monitor:
         )
         result = self.action.restart(verdict.reason)
         self.policy.record_restart(now)
-        self._forget()
+        if result.ok:
+            self._forget()
+        else:
+            # Nothing was started: no boot grace, and no "starting" to show.
+            self.policy.end_grace(now)
         self.restarts += 1
         self._last_restart = {
             "time": self.wall_clock(),
@@ -225,16 +261,24 @@ class Monitor:
             self.events.info("restarted", result.detail)
             return replace(verdict, reason=f"{verdict.reason}; restarted")
         self.events.error("restart-failed", result.detail)
-        return replace(verdict, reason=f"{verdict.reason}; restart failed: {result.detail}")
+        state = verdict.state if verdict.state == CRASH_LOOPING else DOWN
+        return replace(verdict, state=state,
+                       reason=f"restart failed: {result.detail}; {verdict.reason}")
+
+    # While a server starts (a big model loads for minutes), a line this often.
+    PROGRESS_EVERY_S = 30.0
 
     def report(self, verdict: Verdict, probe: Optional[ProbeResult] = None) -> None:
         """Log a change of state, update the state file and the metrics."""
         previous, self.verdict = self.verdict, verdict
         if previous is None or previous.state != verdict.state:
             self._since = self.wall_clock()
-            calm = verdict.state in (HEALTHY, STARTING)
+            self._progress_at = self._since
+            calm = verdict.state in (HEALTHY, STARTING) or self.stopping
             log = self.events.info if calm else self.events.warning
             log("state", f"{verdict.state}: {verdict.reason}", state=verdict.state)
+        elif verdict.state == STARTING:
+            self._say_progress(verdict)
         if probe is not None:
             self._last_probe = {
                 "status": probe.status,
@@ -268,7 +312,48 @@ class Monitor:
             "server": self._server,
             "newest_report": self._newest_report,
             "warning": self._warning,
+            "shim_warning": self._shim_warning,
+            "interval_s": self.update_every_s,
         }
+
+    SHIM_NOT_LOADED = ("the hotfix shim is not loaded (check PYTHONPATH); exit on death and "
+                       "stall detection are off")
+
+    def _note_shim(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
+        """A heartbeat file is configured but the server never beats: it runs
+        without the shim (a PYTHONPATH to a folder that is gone), so a death
+        would leave a zombie. Said once, loudly, when the boot grace is over
+        and the server answers (a shimmed server that answers has beaten
+        within a second or so: the idle loop turns about ten times a second)."""
+        if not self.expect_shim or self.heartbeat is None:
+            return
+        fresh = beat is not None and beat.age_s <= self.judge.config.heartbeat_timeout_s
+        if fresh:
+            if not self._shim_seen and self.metrics is not None:
+                self.metrics.shim(self.name, True)
+            if self._shim_warning is not None:
+                self.events.info("shim", "the hotfix shim is loaded now (heartbeat seen)")
+            self._shim_seen, self._shim_warning = True, None
+            return
+        if self._shim_seen or self._shim_warning is not None:
+            return
+        if probe.ok and not self.policy.in_grace(self.clock()):
+            problem = getattr(self.heartbeat, "problem", None)
+            self._shim_warning = self.SHIM_NOT_LOADED + (f" ({problem})" if problem else "")
+            self.events.error("shim", self._shim_warning)
+            if self.metrics is not None:
+                self.metrics.shim(self.name, False)
+
+    def _say_progress(self, verdict: Verdict) -> None:
+        """Every PROGRESS_EVERY_S while starting: how long, and what is known."""
+        now = self.wall_clock()
+        if now - self._progress_at < self.PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        phase = (self._server or {}).get("phase")
+        what = ("the heartbeat says it is loading the model" if phase == "loading"
+                else verdict.reason.removeprefix("boot grace: "))
+        self.events.info("loading", f"still starting after {now - self._since:.0f}s: {what}")
 
     def _note_warning(self, beat: Optional[HeartbeatReading], probe: ProbeResult) -> None:
         """The shim's warning about its install (a pair that dies on the first
@@ -281,6 +366,24 @@ class Monitor:
         if warning and warning != self._warning:
             self.events.warning("install", warning)
         self._warning = warning
+
+    def _note_abandoned(self, probe: ProbeResult) -> None:
+        """Say once (per run) that abandoned probes pile up on the server.
+
+        A probe that stops waiting leaves its request on the server, which
+        answers it late or never (a hang): one more per probe interval until
+        the server answers or the judge restarts it. Bounded by the judge's
+        own budget (README, "Probes in flight"), but said, once.
+        """
+        if not getattr(probe, "abandoned", False):
+            self._abandoned = 0
+            return
+        self._abandoned += 1
+        if self._abandoned == 2:
+            self.events.warning(
+                "probe", "a probe was abandoned while the previous one may still be in flight "
+                "on the server: abandoned probes stay there as requests, one per probe "
+                "interval, until it answers them or is restarted")
 
     def _note_heartbeat_problem(self) -> None:
         """Say once (per change) why the heartbeat is unusable or ignored."""
@@ -302,10 +405,15 @@ class Monitor:
             and beat.started >= self._boot_wall - self._START_SLACK_S
         )
 
+    def _delivered(self, beat: Optional[HeartbeatReading]) -> bool:
+        """The new server's own heartbeat says it delivered tokens."""
+        return self._loaded(beat) and bool(beat.delivered)
+
     def _forget(self) -> None:
         # A new server process: old counters, heartbeat and CPU totals are moot.
         self._boot_wall = self.wall_clock()
         self._warning = None  # the new server says its own
+        self._shim_seen = False  # the new server must beat again
         self.judge.reset()
         if self.heartbeat is not None:
             self.heartbeat.reset()

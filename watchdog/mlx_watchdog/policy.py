@@ -10,14 +10,18 @@ to stop: a server that is down for good is the outage we exist to end.
 - Boot grace: after each start, failures do not count for `boot_grace_s` (or
   until the first good probe, or until the heartbeat says the new server is
   loaded and serving: `end_grace`, whichever comes first).
-- Backoff: the first restart of an episode is immediate; after n restarts in
-  a row the next waits `backoff_initial_s * 2**(n-1)`, at most
-  `backoff_max_s`, counted from when the restart was first wanted (the exit,
-  or the wedged verdict). Restarts are never paused longer than the cap.
-- Reset: the count goes back to zero only after the server stayed healthy
-  for `backoff_reset_s` after a good probe, not after one good probe.
-- Crash-looping: `max_restarts` or more restarts within `window_s`. It is a
-  state to show in logs, metrics and status; restarts go on.
+- Backoff is for starts that never serve (a crash loop): after n restarts
+  whose servers never served, the next waits `backoff_initial_s * 2**(n-1)`,
+  at most `backoff_max_s`, counted from when the restart was first wanted
+  (the exit, or the wedged verdict). Restarts are never paused longer than
+  the cap.
+- Served: a start that reached serving (a good probe of it, or its own
+  heartbeat saying it delivered) ends the run of failures: `served`. The next
+  restart is immediate, however often the server died before. A server that
+  dies once a minute and serves in between is restarted at once each time (a
+  restart costs seconds), not after 4, 8, 16... s.
+- Crash-looping: `max_restarts` or more restarts within `window_s`, served
+  or not. It is a state to show in logs, metrics and status; restarts go on.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ class RestartPolicy:
         boot_grace_s: float = defaults.BOOT_GRACE_S,
         backoff_initial_s: float = defaults.BACKOFF_INITIAL_S,
         backoff_max_s: float = defaults.BACKOFF_MAX_S,
-        backoff_reset_s: float = defaults.BACKOFF_RESET_S,
         max_restarts: int = defaults.MAX_RESTARTS,
         window_s: float = defaults.RESTART_WINDOW_S,
     ):
@@ -53,13 +56,11 @@ class RestartPolicy:
         self.boot_grace_s = boot_grace_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self.backoff_reset_s = backoff_reset_s
         self.max_restarts = max_restarts
         self.window_s = window_s
         self._grace_until: Optional[float] = None
         self._restarts: Deque[float] = deque()  # within window_s, for the crash-loop state
-        self._in_a_row = 0  # restarts since the server last stayed healthy
-        self._healthy_since: Optional[float] = None  # first good probe since the last restart
+        self._in_a_row = 0  # restarts since a start last served
         self._wanted_since: Optional[float] = None  # a restart is wanted, since then
 
     # -- what happened -------------------------------------------------------
@@ -67,7 +68,6 @@ class RestartPolicy:
     def started(self, now: float) -> None:
         """A server process (re)started now: its boot grace begins."""
         self._grace_until = now + self.boot_grace_s
-        self._healthy_since = None
 
     def end_grace(self, now: float) -> None:
         """The new server is loaded and serving (its heartbeat says so):
@@ -75,14 +75,16 @@ class RestartPolicy:
         self._grace_until = None
 
     def healthy(self, now: float) -> None:
-        """A probe succeeded: the boot is over; a long enough healthy run
-        resets the backoff."""
+        """A probe of the current server succeeded: the boot is over, and
+        this start served."""
         self._grace_until = None
         self._wanted_since = None
-        if self._healthy_since is None:
-            self._healthy_since = now
-        if now - self._healthy_since >= self.backoff_reset_s:
-            self._in_a_row = 0
+        self.served(now)
+
+    def served(self, now: float) -> None:
+        """The current server delivered (a good probe, or its own heartbeat
+        says so): it was no crash loop, the next restart is immediate."""
+        self._in_a_row = 0
 
     def record_restart(self, now: float) -> None:
         """A restart was attempted now (successful or not: both count)."""

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 from . import defaults
+from .defaults import PROBE_HEADER
 from .redact import Secret, printable, redact_url, scrub, secret
 
 OK = "ok"
@@ -61,6 +62,15 @@ class ProbeResult:
     # known-bad install (an mlx-lm and mlx pair that dies on the first
     # request, a yanked release).
     warning: Optional[str] = None
+    # The probe stopped waiting (timeout, give-up) for the answer to a
+    # request the server had been sent: that request may stay in flight on
+    # the server until it answers it or is restarted.
+    abandoned: bool = False
+    # The shim refused the probe because the server is busy (503, error type
+    # "server_busy": its queue is full), and how long ago it last delivered a
+    # token to anyone (None: not said). Busy and delivering is not wedged.
+    shedding: bool = False
+    last_delivery_age_s: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -159,7 +169,9 @@ class Probe:
         remaining = deadline.remaining()
         if remaining <= 0:
             raise self._timed_out(deadline)
-        headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close"}
+        headers = {"Host": target.netloc, "Accept": "application/json", "Connection": "close",
+                   # The shim keeps a probe out of the server's log and counters.
+                   PROBE_HEADER: "1"}
         body = None
         if payload is not None:
             body = json.dumps(payload).encode()
@@ -179,8 +191,10 @@ class Probe:
                 raise _Failed(UNREACHABLE, f"cannot connect to {target.netloc}: {_oserror(exc)}") from None
             try:
                 conn.request(method, target.path + path, body=body, headers=headers)
+                deadline.awaiting = True
                 response = conn.getresponse()
                 data = response.read(self.max_body + 1)
+                deadline.awaiting = False
             except (OSError, http.client.HTTPException) as exc:
                 if deadline.expired or isinstance(exc, (socket.timeout, TimeoutError)):
                     raise self._timed_out(deadline) from None
@@ -197,8 +211,11 @@ class Probe:
     def _timed_out(self, deadline: "_Deadline") -> "_Failed":
         if deadline.gave_up:
             waited = self.timeout - max(0.0, deadline.ends_in())
-            return _Failed(UNHEALTHY, f"no answer after {waited:.0f}s, and {deadline.gave_up}")
-        return _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
+            failed = _Failed(UNHEALTHY, f"no answer after {waited:.0f}s, and {deadline.gave_up}")
+        else:
+            failed = _Failed(UNHEALTHY, f"timed out after {self.timeout:g}s")
+        failed.fields["abandoned"] = deadline.awaiting
+        return failed
 
 
 def _read_completion(status: int, body: bytes) -> dict:
@@ -211,15 +228,25 @@ def _read_completion(status: int, body: bytes) -> dict:
             return dict(status=UNHEALTHY, reason="200 without any tokens", http_status=200)
         return dict(status=OK, tokens=tokens, reason="ok", http_status=200)
     error = data.get("error") if isinstance(data, dict) else None
+    shedding = False
     if isinstance(error, dict):  # OpenAI style {"error": {"message": ...}}
+        shedding = status == 503 and error.get("type") == defaults.BUSY_ERROR_TYPE
         error = error.get("message")
     text = str(error) if error is not None else body[:_REASON_CHARS].decode("utf-8", "replace")
+    age = data.get("last_delivery_age_s") if shedding else None
     return dict(
         status=UNHEALTHY,
         reason=_short(f"HTTP {status}: {text.strip() or '(empty body)'}"),
         http_status=status,
         dead_thread=DEAD_THREAD_ERROR in text,
+        shedding=shedding,
+        last_delivery_age_s=float(age) if _is_age(age) else None,
     )
+
+
+def _is_age(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 <= value < float("inf"))
 
 
 def _warning(body: Optional[bytes]) -> Optional[str]:
@@ -288,7 +315,17 @@ def check_url(url: str) -> str:
             f"invalid URL {shown!r}: {problem}; expected http(s)://HOST[:PORT], "
             'like "http://127.0.0.1:8080"'
         )
-    return url.rstrip("/")
+    return server_root(url)
+
+
+def server_root(url: str) -> str:
+    """url without a trailing slash or a trailing /v1: what OpenAI clients are
+    given (http://host:8080/v1) names the same server as its root, which is
+    what the probe needs (it adds /v1/chat/completions and /health itself)."""
+    url = url.rstrip("/")
+    if url.lower().endswith("/v1"):
+        url = url[: -len("/v1")].rstrip("/")
+    return url
 
 
 def url_problem(url: object) -> Optional[str]:
@@ -358,6 +395,7 @@ class _Deadline:
         self._timer.daemon = True
         self.expired = False
         self.gave_up: Optional[str] = None  # why the probe stopped waiting early
+        self.awaiting = False  # a request was sent, its answer not read yet
         self._give_up = give_up
         self._done = threading.Event()
 

@@ -16,6 +16,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import psutil
 
+from .safefile import read_regular
+
 
 class ProcessNotFound(Exception):
     """The process could not be found; the message says why."""
@@ -103,8 +105,8 @@ class ProcessLocator:
     def _read_pidfile(self) -> int:
         assert self.pidfile is not None
         try:
-            with open(self.pidfile) as handle:
-                text = handle.read(64).strip()
+            # The server's user may write its folder: no link, no FIFO.
+            text = read_regular(self.pidfile, 64).decode(errors="replace").strip()
         except OSError as exc:
             raise ProcessNotFound(f"cannot read pidfile {self.pidfile}: {exc.strerror}") from None
         if not text.isdigit() or int(text) <= 0:

@@ -21,10 +21,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from . import __version__, defaults
-from .safefile import write_atomically
+from .heartbeat import read_record
+from .redact import printable
+from .state import printable_lines
+from .safefile import open_regular, read_regular, write_atomically
 
 KEEP = 50
 SCHEMA = 1
@@ -92,7 +95,7 @@ def count_reports(directory: "Optional[str | os.PathLike[str]]" = None) -> int:
 
 def _read_new(path: Path, offset: int) -> str:
     try:
-        with open(path, "rb") as handle:
+        with os.fdopen(open_regular(path), "rb") as handle:  # no link, no FIFO
             handle.seek(offset)
             return handle.read(1 << 20).decode(errors="replace")
     except OSError:
@@ -172,35 +175,117 @@ def capture_stacks(
         if not stacks:
             report["note"] = "no stacks: the process has no shim stacks file or did not answer"
         if heartbeat_file is not None:
-            with _quiet():
-                with open(heartbeat_file) as handle:
-                    beat = json.loads(handle.read(8192))
+            beat = read_record(heartbeat_file)  # safe: no link, no FIFO
+            if beat is not None:
                 report["heartbeat"] = beat
-                if isinstance(beat, dict) and "in_flight" in beat:
-                    report["in_flight"] = beat["in_flight"]
+                report["in_flight"] = beat.get("in_flight")
         report.update(extra or {})
         return write_report(directory, report)
     except Exception:  # noqa: BLE001 - evidence must never block the restart
         return None
 
 
+def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
+    """A report's `instance` field, as the shim writes it: name, port, model."""
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = None
+    from .urls import flag_value
+
+    return {"name": name, "port": port, "model": flag_value(command, "--model")}
+
+
 # -- reading -----------------------------------------------------------------
 
 
+# The fields the listing and the Markdown read, and what each must be. A
+# report whose field is something else (a string time, 1e300, a string
+# where an object was) is listed as unreadable, not a traceback.
+_NUMBER, _TEXT, _OBJECT, _LIST = (int, float), (str,), (dict,), (list,)
+_FIELDS = {
+    "time": _NUMBER, "kind": _TEXT, "pid": (int,), "in_flight": _NUMBER,
+    "exit_code": (int,), "uptime_s": _NUMBER, "reason": _TEXT, "status": _TEXT,
+    "versions": _OBJECT, "exception": _OBJECT, "memory": _OBJECT,
+    "in_flight_requests": _LIST, "argv": _LIST, "stacks": _LIST,
+    "stacks_text": _TEXT, "fatal_stacks": _TEXT,
+}
+_EXCEPTION_FIELDS = ("type", "message", "traceback")
+_REPORT_BYTES = 16 << 20
+UNREADABLE = "unreadable"  # the key of a report that could not be read, and why
+
+
 def load_reports(directory: Path) -> List[Dict[str, Any]]:
-    """Every readable report, newest first; each gets "id" (its file stem)."""
-    out = []
-    for path in report_files(directory):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            data["id"] = path.stem
-            data.setdefault("time", path.stat().st_mtime)
-            out.append(data)
-    out.sort(key=lambda r: (r.get("time") or 0, r["id"]), reverse=True)
+    """Every report, newest first; each gets "id" (its file stem). A file that
+    cannot be read or is malformed is listed as {"id", "time" (its mtime),
+    "unreadable": why}."""
+    out = [_load(path) for path in report_files(directory)]
+    out.sort(key=lambda r: (r["time"], r["id"]), reverse=True)
     return out
+
+
+def _load(path: Path) -> Dict[str, Any]:
+    try:
+        mtime = path.lstat().st_mtime
+    except OSError:
+        mtime = 0.0
+    try:
+        # The server's user writes this folder: no link, no FIFO, bounded.
+        text = read_regular(path, _REPORT_BYTES + 1)
+        if len(text) > _REPORT_BYTES:
+            raise ValueError(f"larger than {_REPORT_BYTES >> 20} MiB")
+        data = json.loads(text)
+        problem = malformed(data)
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    except ValueError as exc:  # also UnicodeDecodeError, RecursionError's kin
+        problem = f"not JSON ({exc})"
+    except RecursionError:
+        problem = "not JSON (nested too deep)"
+    if problem:
+        return {"id": path.stem, "time": mtime, UNREADABLE: problem}
+    data["id"] = path.stem
+    if data.get("time") is None:
+        data["time"] = mtime
+    return data
+
+
+def malformed(data: Any) -> Optional[str]:
+    """What makes data unusable as a report (None: nothing)."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    for key, kinds in _FIELDS.items():
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            return f"{key} is {_json_kind(value)}"
+    when = data.get("time")
+    if when is not None:
+        try:
+            time.localtime(when)
+        except (OverflowError, OSError, ValueError):
+            return f"time {when!r} is not a date"
+    for key in _EXCEPTION_FIELDS:
+        value = (data.get("exception") or {}).get(key)
+        if value is not None and not isinstance(value, str):
+            return f"exception.{key} is {_json_kind(value)}"
+    for key in ("versions", "memory"):
+        if any(not isinstance(k, str) for k in (data.get(key) or {})):
+            return f"{key} has a key that is not text"
+    if any(not isinstance(item, str) for item in data.get("argv") or []):
+        return "argv holds something other than text"
+    if any(not isinstance(item, dict) for item in data.get("in_flight_requests") or []):
+        return "in_flight_requests holds something other than objects"
+    if any(not isinstance(item, dict) for item in data.get("stacks") or []):
+        return "stacks holds something other than objects"
+    return None
+
+
+def _json_kind(value: Any) -> str:
+    names = {bool: "true/false", int: "a number", float: "a number", str: "a string",
+             list: "a list", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def find_report(directory: Path, wanted: str) -> Optional[Dict[str, Any]]:
@@ -215,26 +300,61 @@ def find_report(directory: Path, wanted: str) -> Optional[Dict[str, Any]]:
     return prefixed[0] if len(prefixed) == 1 else None
 
 
+def instance_label(report: Dict[str, Any]) -> str:
+    """The instance a report names, short: its name, else :PORT, else "-"."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance
+    if not isinstance(instance, dict):
+        return "-"
+    if instance.get("name"):
+        return str(instance["name"])
+    return f":{instance['port']}" if instance.get("port") else "-"
+
+
+def matches_instance(report: Dict[str, Any], wanted: str) -> bool:
+    """`reports --instance WANTED`: the instance's name, or its port."""
+    instance = report.get("instance")
+    if isinstance(instance, str):
+        return instance == wanted
+    if not isinstance(instance, dict):
+        return False
+    return instance.get("name") == wanted or (
+        wanted.lstrip(":").isdigit() and instance.get("port") == int(wanted.lstrip(":")))
+
+
 def summary(report: Dict[str, Any]) -> str:
     exc = report.get("exception") or {}
     if exc:
-        text = f"{exc.get('type', '').rsplit('.', 1)[-1]}: {exc.get('message', '')}"
+        text = f"{(exc.get('type') or '').rsplit('.', 1)[-1]}: {exc.get('message') or ''}"
     else:
         text = report.get("reason") or ""
     line = " ".join(str(text).split())
-    return line[:100] + ("..." if len(line) > 100 else "")
+    line = line[:100] + ("..." if len(line) > 100 else "")
+    repeats = report.get("repeats")
+    if isinstance(repeats, int) and repeats > 1:
+        line = f"({repeats} times, at start-up) {line}"
+    return line
 
 
 def format_table(reports: List[Dict[str, Any]]) -> str:
+    """The listing; every cell with its control characters escaped (a report
+    and its file name come from the server's side)."""
     if not reports:
         return "no reports"
-    rows = [("#", "ID", "TIME", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
+    rows = [("#", "ID", "TIME", "INSTANCE", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
     for i, r in enumerate(reports, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time") or 0))
-        versions = r.get("versions") or {}
-        rows.append((str(i), r["id"], when, str(r.get("kind")), str(r.get("pid")),
+        if r.get(UNREADABLE):
+            cells = (str(i), r["id"], when, "-", "-", "-", "-", "-",
+                     f"unreadable report: {r[UNREADABLE]}")
+        else:
+            versions = r.get("versions") or {}
+            cells = (str(i), r["id"], when, instance_label(r), str(r.get("kind")),
+                     str(r.get("pid")),
                      str(versions.get("mlx_lm", "-")),
-                     "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r)))
+                     "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r))
+        rows.append(tuple(printable(cell) for cell in cells))
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
@@ -279,4 +399,6 @@ def format_markdown(report: Dict[str, Any]) -> str:
         lines += ["", "<details><summary>All threads</summary>", "", "```",
                   stacks.rstrip(), "```", "</details>"]
     lines += ["", f"_Report {report.get('id')} written by mlx-watchdog._"]
-    return "\n".join(lines) + "\n"
+    # Line by line, control characters escaped: a terminal escape in a
+    # report must not reach the operator's terminal.
+    return printable_lines("\n".join(lines).split("\n")) + "\n"

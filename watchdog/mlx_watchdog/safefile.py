@@ -58,6 +58,15 @@ def open_regular(path: "str | os.PathLike[str]", flags: int = os.O_RDONLY, mode:
     return fd
 
 
+def read_regular(path: "str | os.PathLike[str]", limit: int) -> bytes:
+    """At most limit bytes of the regular file at path, opened as open_regular
+    opens it: a link or a FIFO planted there is refused (NotARegularFile),
+    never followed nor waited on. Every file the server side can write is
+    read this way (heartbeat, reports, stacks, pidfile, hostfile)."""
+    with os.fdopen(open_regular(path), "rb") as handle:
+        return handle.read(limit)
+
+
 def write_atomically(path: "str | os.PathLike[str]", data: Union[bytes, str], *,
                      mode: int = 0o600) -> None:
     """Replace path with data: a reader sees the old file or the new one,

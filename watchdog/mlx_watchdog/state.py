@@ -2,12 +2,21 @@
 
 One JSON file, replaced atomically after every tick. Several daemons (say one
 `supervise` per model) can share it: each rewrites only its own instances,
-under a lock, and leaves the others alone.
+under a lock, and leaves the others alone. An installed instance has a file
+of its own (NAME.state.json) in the same kind of folder; `status` reads every
+state file it finds there (daemon_cli.py).
+
+Each record names its writer (daemon_pid, daemon_started: the process's start
+time, so a reused pid is not taken for it) and how often it writes
+(interval_s). A record whose writer is gone, or that was not updated for
+STALE_INTERVALS intervals, is shown as STALE; a daemon that stops cleanly
+writes STOPPED. `status --prune` forgets both.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -21,6 +30,11 @@ from .safefile import NotARegularFile, open_regular, write_atomically
 import click
 
 VERSION = 1
+STOPPED = "stopped"  # written by a daemon that stopped cleanly
+STALE = "stale (watchdog not running)"  # shown for a record whose writer is gone or silent
+STALE_INTERVALS = 3
+# `status` exits 0 only when every instance is in one of these (and not stale).
+SERVING_STATES = ("healthy", "busy")
 
 
 def default_state_path() -> Path:
@@ -50,11 +64,15 @@ class StateStore:
         self._written: Optional[Tuple[int, int, int]] = None  # the file as we left it
         self._written_at = float("-inf")
         self._dirty = False
+        self._closed = False  # stopped(): no more updates
 
     def update(self, name: str, record: Dict[str, Any]) -> None:
         now = time.time()
-        record = dict(record, daemon_pid=os.getpid(), updated=now)
+        record = dict(record, daemon_pid=os.getpid(), daemon_started=_started_at(os.getpid()),
+                      updated=now)
         with self._lock:
+            if self._closed:
+                return  # a monitor thread still finishing its tick after the stop
             changed = self.records.get(name, {}).get("state") != record.get("state")
             self.records[name] = record
             self._dirty = True
@@ -70,6 +88,16 @@ class StateStore:
             self._flush(time.time())
         finally:
             self._lock.release()
+
+    def stopped(self, why: str) -> None:
+        """A clean stop: every instance of this daemon reads STOPPED from now on."""
+        now = time.time()
+        with self._lock:
+            self._closed = True
+            for record in self.records.values():
+                record.update(state=STOPPED, reason=why, since=now, updated=now)
+            self._dirty = bool(self.records)
+        self.flush()
 
     def _flush(self, now: float) -> None:
         if self.path is not None and self._dirty:
@@ -92,6 +120,70 @@ class StateStore:
             self.error = f"cannot write state file {path}: {exc.strerror}"
         except OSError as exc:
             self.error = f"cannot write state file {path}: {exc.strerror or exc}"
+
+
+@functools.lru_cache(maxsize=4)
+def _started_at(pid: int) -> Optional[float]:
+    """When process pid started (psutil), or None: with the pid, it names one
+    process for good, whereas a pid alone may be reused. (Cached: asked for
+    our own pid at every update.)"""
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # noqa: BLE001 - psutil missing or the process gone
+        return None
+
+
+def writer_running(record: Dict[str, Any]) -> bool:
+    """Whether the daemon that wrote record still runs (the same process, not
+    a reused pid). A record that names no writer is taken as running."""
+    pid = record.get("daemon_pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return not isinstance(pid, int)
+    try:
+        import psutil
+
+        started = psutil.Process(pid).create_time()
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return True
+    except Exception:  # noqa: BLE001 - NoSuchProcess, ZombieProcess: gone
+        return False
+    recorded = record.get("daemon_started")
+    return not _is_number(recorded) or abs(started - recorded) < 1.0
+
+
+def shown_state(record: Dict[str, Any], now: float, running: bool) -> str:
+    """What `status` calls the instance: its state, STOPPED, or STALE when the
+    writer is gone or has not updated it for STALE_INTERVALS intervals."""
+    state = record.get("state", "?")
+    if state == STOPPED:
+        return STOPPED
+    if not running:
+        return STALE
+    updated, interval = record.get("updated"), record.get("interval_s")
+    if _is_number(updated) and _is_number(interval) and interval > 0:
+        if now - updated > STALE_INTERVALS * interval:
+            return STALE
+    return str(state)
+
+
+def prune_state(path: "str | os.PathLike[str]",
+                gone: Callable[[Dict[str, Any]], bool]) -> "list[str]":
+    """Forget the instances of path for which gone(record) is true (under the
+    writers' lock); the names forgotten."""
+    path = Path(path)
+    with os.fdopen(open_regular(f"{path}.lock", os.O_RDWR | os.O_CREAT), "r+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = read_state(path)
+        instances = data["instances"]
+        forgotten = [name for name, record in instances.items()
+                     if not isinstance(record, dict) or gone(record)]
+        if forgotten:
+            for name in forgotten:
+                del instances[name]
+            _write_state(path, data)
+    return forgotten
 
 
 def _signature(path: Path) -> Optional[Tuple[int, int, int]]:
@@ -133,6 +225,8 @@ def read_state(path: "str | os.PathLike[str]") -> Dict[str, Any]:
 
 # Colours of the states in `status` on a terminal.
 _STATE_COLOURS = {
+    STALE: "red",
+    STOPPED: "white",
     "healthy": "green",
     "starting": "cyan",
     "busy": "yellow",
@@ -152,12 +246,9 @@ def format_status(
     colour: bool = False,
 ) -> str:
     """The state file as text for people: a fleet table, one row per instance,
-    then the details of each instance that is not well (colour: for a terminal)."""
+    then the details of each instance that is not well (colour: for a terminal).
+    pid_alive(pid): tests' stand-in for writer_running."""
     now = time.time() if now is None else now
-    if pid_alive is None:
-        import psutil
-
-        pid_alive = psutil.pid_exists
     instances = data.get("instances", {})
     if not instances:
         return "no instances in the state file"
@@ -172,10 +263,11 @@ def format_status(
         if not isinstance(record, dict):
             rows.append((shown, "?", ("malformed record (not a table)", "", "", "", "")))
             continue
-        state = printable(record.get("state", "?"))
         try:
+            running = _running(record, pid_alive)
+            state = printable(shown_state(record, now, running))
             rows.append((shown, state, tuple(printable(c) for c in _row(record, state, now))))
-            lines = _details(shown, record, state, now, pid_alive)
+            lines = _details(shown, record, state, now, running)
         except Exception as exc:  # noqa: BLE001 - a malformed record: say so, go on
             rows.append((shown, "?", (f"malformed record ({type(exc).__name__})", "", "", "", "")))
             continue
@@ -196,13 +288,32 @@ def format_status(
     return scrub("\n".join(table + ([""] + details if details else [])))
 
 
+def _running(record: Dict[str, Any], pid_alive: Optional[Callable[[int], bool]]) -> bool:
+    if pid_alive is None:
+        return writer_running(record)
+    pid = record.get("daemon_pid")
+    return pid_alive(pid) if isinstance(pid, int) and not isinstance(pid, bool) else True
+
+
+def status_of(record: Any, now: float,
+              pid_alive: Optional[Callable[[int], bool]] = None) -> str:
+    """shown_state of a record as read from a file (a malformed one is "?")."""
+    if not isinstance(record, dict):
+        return "?"
+    try:
+        return shown_state(record, now, _running(record, pid_alive))
+    except Exception:  # noqa: BLE001 - a malformed record
+        return "?"
+
+
 def printable_lines(lines: "list[str]") -> str:
     """Lines joined, each with its control characters escaped."""
     return "\n".join(printable(line) for line in lines)
 
 
 def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
-    since = _ago(now, record.get("since"), suffix="")
+    since = _ago(now, record.get("since") if state != STALE else record.get("updated"),
+                 suffix="")
     last_ok = record.get("last_ok_probe")
     if isinstance(last_ok, (int, float)):
         good = _ago(now, last_ok)
@@ -221,7 +332,11 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
         if isinstance(rate, (int, float)):
             decode = f"{rate:.1f} tok/s"
         in_flight = server.get("in_flight")
-        if isinstance(in_flight, int) and in_flight:
+        running, queued = server.get("running"), server.get("queued")
+        if isinstance(running, int) and isinstance(queued, int):  # the admission part's counts
+            if running or queued:
+                decode += f", {running} running, {queued} queued"
+        elif isinstance(in_flight, int) and in_flight:
             decode += f", {in_flight} in flight"
     report = record.get("newest_report")
     newest = "-"
@@ -231,21 +346,28 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
 
 
 def _details(
-    name: str, record: Dict[str, Any], state: str, now: float, pid_alive: Callable[[int], bool]
+    name: str, record: Dict[str, Any], state: str, now: float, running: bool
 ) -> "list[str]":
     """What a row cannot say, for an instance that is not well (or not watched)."""
     lines = []
     pid = record.get("daemon_pid")
-    if isinstance(pid, int) and not pid_alive(pid):
-        lines.append(
-            f"  note: the watchdog that wrote this (pid {pid}) is not running; "
-            f"last update {_ago(now, record.get('updated'))}"
-        )
-    warning = record.get("warning")
-    if isinstance(warning, str) and warning:
-        # A known-bad install shows even while healthy: it dies on the first request.
-        lines.insert(0, f"  WARNING: {' '.join(warning.split())}")
-    if state in _CALM and not lines:
+    if state == STALE:
+        last = _ago(now, record.get("updated"))
+        if not running:
+            lines.append(f"  note: the watchdog that wrote this (pid {pid}) is not running; "
+                         f"last update {last}, when it said {record.get('state')}")
+        else:
+            lines.append(f"  note: the watchdog (pid {pid}) has not updated this for "
+                         f"{STALE_INTERVALS} intervals (last update {last}, when it said "
+                         f"{record.get('state')}): is it hung or stopped?")
+        lines.append("  forget it with `mlx-watchdog status --prune` if it is gone for good")
+    for key in ("warning", "shim_warning"):
+        warning = record.get(key)
+        if isinstance(warning, str) and warning:
+            # Shown even while healthy: a known-bad install dies on the first
+            # request; a server without the shim would never exit on a death.
+            lines.insert(0, f"  WARNING: {' '.join(warning.split())}")
+    if (state in _CALM or state == STOPPED) and not lines:
         return []
     since = _ago(now, record.get("since"), suffix="")
     head = [f"{name}: {state} for {since}  {record.get('url', '')}".rstrip()]

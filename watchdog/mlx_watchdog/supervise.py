@@ -12,7 +12,8 @@ Before a wedged child is stopped, SIGUSR1 asks the shim for every thread's
 stack and a `wedged` report keeps them (reports.py). SIGTERM or SIGINT is
 passed on to the child, then the supervisor exits 0; SIGHUP (a closed
 terminal) and SIGQUIT stop it the same way, with SIGTERM to the child. A tick
-that raises is logged with its traceback and the loop goes on.
+that raises is logged with its traceback, once while the same failure lasts,
+and the loop goes on.
 
 The child never outlives its supervisor: however the supervisor ends (signal,
 exception, crash of the loop) its child goes with it; on Linux it gets SIGTERM
@@ -43,9 +44,11 @@ from .group import clear_heartbeats
 from .policy import RestartPolicy
 from .judge import DOWN, Verdict
 from .listener import ListenerCheck
+from .log import LoopFailures
 from .metrics import Metrics
 from .monitor import ProcessEvidence
 from .probe import ProbeResult
+from .redact import printable
 from .process import CpuSampler, ProcessNotFound, ProcessSample, terminate_with_grace
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
@@ -56,9 +59,16 @@ class SupervisorError(Exception):
     """The supervisor cannot start (for instance, the command does not exist)."""
 
 
-def describe_exit(code: Optional[int], shim: bool = True) -> str:
+def describe_exit(code: Optional[int], shim: bool = True,
+                  death: Optional[Mapping[str, object]] = None) -> str:
+    """How a child ended, for people. death: the shim's own record of why
+    (the heartbeat's ``death`` field, see last_death), which names the real
+    cause of a start-up failure (a bad --model, a taken port)."""
     if code is None:
         return "did not exit"
+    if death and isinstance(death.get("summary"), str):
+        when = " at start-up" if death.get("during_startup") else ""
+        return f"exited with code {code}{when}: {printable(death['summary'])[:300]}"
     if code == defaults.SHIM_EXIT_CODE and shim:
         return f"exited with code {code} (the hotfix shim saw the generation thread die)"
     if code < 0:
@@ -67,6 +77,20 @@ def describe_exit(code: Optional[int], shim: bool = True) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def last_death(heartbeat_file: "Optional[str | os.PathLike[str]]",
+               pid: int) -> Optional[Mapping[str, object]]:
+    """The shim's death record for process pid (the heartbeat's ``death``
+    field, written just before it exits), or None."""
+    if heartbeat_file is None:
+        return None
+    from .heartbeat import read_record
+
+    record = read_record(heartbeat_file)
+    if not record or record.get("pid") != pid or not isinstance(record.get("death"), dict):
+        return None
+    return record["death"]
 
 
 class Child:
@@ -129,17 +153,55 @@ class Child:
 PARENT_PID_ENV = "MLX_HOTFIX_PARENT_PID"  # the shim exits when this process is gone
 
 
+SERVER_PREFIX = b"[server] "  # on every line of the child's output, in the watchdog's log
+
+
 def spawn(argv: List[str], env: Mapping[str, str]) -> Child:
-    """Start argv in a new session (its own process group); OSError if it cannot run."""
-    return Child(
-        subprocess.Popen(
-            argv,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=parent_death_signal(),
-        )
+    """Start argv in a new session (its own process group); OSError if it cannot run.
+
+    Its output (stdout and stderr, in order) goes to the watchdog's stderr,
+    each line prefixed SERVER_PREFIX, so that the server's lines and the
+    watchdog's can be told apart in one log (a terminal, the journal)."""
+    popen = subprocess.Popen(
+        argv,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=parent_death_signal(),
     )
+    threading.Thread(target=relay_output, args=(popen.stdout,), daemon=True,
+                     name="mlx-watchdog-server-output").start()
+    return Child(popen)
+
+
+def relay_output(pipe, prefix: bytes = SERVER_PREFIX) -> None:
+    """Copy pipe to our stderr line by line, prefixed, until EOF (every
+    process of the group closed it). Known secrets are scrubbed, as in every
+    line the watchdog writes. Never raises."""
+    from .redact import scrub
+
+    out = getattr(sys.stderr, "buffer", None)
+    try:
+        for line in iter(pipe.readline, b""):
+            text = scrub(line.decode("utf-8", "replace")).encode("utf-8")
+            try:
+                if out is not None:
+                    out.write(prefix + text)
+                    out.flush()
+                else:
+                    sys.stderr.write((prefix + text).decode("utf-8", "replace"))
+                    sys.stderr.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone: keep draining, so the child never blocks
+    except (OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 def parent_death_signal() -> Optional[Callable[[], None]]:
@@ -251,6 +313,7 @@ class Supervisor:
         if heartbeat_file is not None:
             self.env[defaults.HEARTBEAT_ENV] = str(heartbeat_file)
         self.env[PARENT_PID_ENV] = str(os.getpid())
+        self.env[defaults.INSTANCE_ENV] = instance.name  # the shim's reports name it
         self.interval_s = instance.interval
         self.stop_grace_s = instance.stop_grace
         self.report_dir = reports.report_dir(instance.report_dir)
@@ -280,6 +343,7 @@ class Supervisor:
             state=state,
             clock=clock,
             wall_clock=wall_clock,
+            expect_shim=shim and heartbeat_file is not None,
         )
         self.events = self.monitor.events
 
@@ -312,8 +376,11 @@ class Supervisor:
             code = self.child.poll()
             if code is None:
                 return None
-            self._exit = describe_exit(code, self.shim)
-            self.events.warning("exited", f"server {self._exit}", returncode=code)
+            death = last_death(self.heartbeat_file, self.child.pid) if self.shim else None
+            self._exit = describe_exit(code, self.shim, death)
+            # Asked to stop, the child's exit is what we wanted: no warning.
+            log = self.events.info if self._stopping else self.events.warning
+            log("exited", f"server {self._exit}", returncode=code)
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
@@ -345,7 +412,9 @@ class Supervisor:
             directory=self.report_dir,
             heartbeat_file=self.heartbeat_file,
             wait_s=self.stacks_wait_s,
-            extra={"command": reports_argv(self.command)},
+            extra={"command": reports_argv(self.command),
+                   "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                               self.command)},
         )
         if path is not None:
             self.last_report = str(path)
@@ -374,6 +443,7 @@ class Supervisor:
         """
         self._stop_signal = signum
         self._stopping = True
+        self.monitor.stopping = True  # a tick under way restarts nothing
         child = self.child
         if child is not None and self._signalled != child.pid:
             self._signalled = child.pid
@@ -404,14 +474,16 @@ class Supervisor:
                 signal.SIGCHLD, lambda signum, _: self._wakeup.wake()
             )
         atexit.register(self._kill_child)  # even if the loop itself breaks
+        failures = LoopFailures(self.events, "tick-error", "a tick failed; supervising goes on")
         try:
             self.start()
             while not self._stopping:
                 began = self._clock()
                 try:
                     self.tick()
+                    failures.ok()
                 except Exception:  # noqa: BLE001 - a bug in one tick must not end supervision
-                    self.events.exception("tick-error", "a tick failed; supervising goes on")
+                    failures.failed()
                 # While waiting to respawn, look again soon: the backoff may be short.
                 interval = self.interval_s if self.child is not None else min(self.interval_s, 1.0)
                 if not self._stopping:
@@ -442,16 +514,20 @@ class Supervisor:
             child.signal_group(signal.SIGKILL)  # stragglers in its group
 
     def shutdown(self) -> None:
-        if self.monitor.state is not None:
-            self.monitor.state.flush()
-        if self.child is None:
-            return
-        pid, name = self.child.pid, signal.Signals(self._stop_signal).name
-        self.events.info("stopping", f"{name} to pid {pid}, SIGKILL after {self.stop_grace_s:g}s")
-        already = self._signalled == pid
-        code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
-        self.child = None
-        self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
+        state = self.monitor.state
+        if state is not None:
+            state.flush()
+        name = signal.Signals(self._stop_signal).name
+        if self.child is not None:
+            pid = self.child.pid
+            self.events.info("stopping",
+                             f"{name} to pid {pid}, SIGKILL after {self.stop_grace_s:g}s")
+            already = self._signalled == pid
+            code = self.child.stop(self.stop_grace_s, None if already else self._stop_signal)
+            self.child = None
+            self.events.info("stopped", f"pid {pid} {describe_exit(code, self.shim)}")
+        if state is not None:
+            state.stopped(f"the supervisor stopped ({name}), and its server with it")
 
 
 def reports_argv(command: Sequence[str]) -> List[str]:

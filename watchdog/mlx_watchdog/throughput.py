@@ -3,8 +3,11 @@
 The shim's heartbeat file (see heartbeat.py) also carries per-process counters
 (branch i8's contract): prompt_tokens (prompt-progress deliveries),
 decode_tokens (generated tokens), requests, cancelled, and the in_flight
-gauge. The server counts them anyway; the watchdog reads them from the file it
-already reads, so nothing is added on the server's per-token path.
+gauge; with the admission part also rejected_queue_full,
+rejected_queue_timeout and deadline_stops, and the queued and running
+gauges (requests waiting for a slot, requests generating). The server
+counts them anyway; the watchdog reads them from the file it already reads,
+so nothing is added on the server's per-token path.
 
 Those counters start again at zero in every new server process. Prometheus
 counters must only grow, so `CounterTotals` turns them into totals that
@@ -30,19 +33,11 @@ COUNTERS = {
     "decode_tokens": "decode_tokens",
     "requests": "requests",
     "cancelled": "cancelled_requests",
+    "rejected_queue_full": "rejected_queue_full",
+    "rejected_queue_timeout": "rejected_queue_timeout",
+    "deadline_stops": "deadline_stops",
 }
-_MAX_BYTES = 4096
 RATE_WINDOW_S = 60.0  # tok/s in `status` is the mean over about this long
-
-
-def read_record(path: "str | os.PathLike[str]") -> Optional[Dict[str, object]]:
-    """The heartbeat file as a dict, or None if missing, partial or garbage."""
-    try:
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read(_MAX_BYTES))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _count(value: object) -> Optional[int]:
@@ -95,29 +90,29 @@ class ThroughputReading:
     increments: Dict[str, int]  # what to add to each counter this tick
     rates: Dict[str, Optional[float]]  # per second over RATE_WINDOW_S; None: not yet known
     last_delivery: Optional[float] = None
+    queued: Optional[int] = None  # waiting for a slot (admission part)
+    running: Optional[int] = None  # generating
 
 
 class ThroughputTracker:
-    """Reads the heartbeat counters each tick; keeps totals and recent rates."""
+    """The heartbeat's counters, observed each tick; keeps totals and recent
+    rates. The monitor reads the heartbeat file once per tick
+    (heartbeat.read_record) for this and the HeartbeatTracker both."""
 
     def __init__(
         self,
-        path: "str | os.PathLike[str]",
         *,
         window_s: float = RATE_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
-        read: Callable[..., Optional[Dict[str, object]]] = read_record,
     ):
-        self.path = path
         self.window_s = window_s
         self._clock = clock
-        self._read = read
         self.totals = CounterTotals()
         self._history: Deque[Tuple[float, Dict[str, int]]] = collections.deque()
         self.last: Optional[ThroughputReading] = None
 
-    def sample(self) -> Optional[ThroughputReading]:
-        record = self._read(self.path)
+    def observe(self, record: Optional[Mapping[str, object]]) -> Optional[ThroughputReading]:
+        """The reading of one heartbeat record (None: no file, nothing to add)."""
         if record is None:
             return None
         counters = {
@@ -145,6 +140,8 @@ class ThroughputTracker:
             increments=increments,
             rates=rates,
             last_delivery=last_delivery if isinstance(last_delivery, (int, float)) else None,
+            queued=_count(record.get("queued")),
+            running=_count(record.get("running")),
         )
         return self.last
 
@@ -157,15 +154,24 @@ class ReportScan:
 
 
 class ReportWatcher:
-    """Counts crash reports (*.json) appearing in a folder.
+    """Counts crash reports (*.json) appearing in a folder: those of one
+    instance when `instance` is given (several instances may share a folder).
 
-    Reports already there when the watchdog starts are not new; the newest
-    one is still shown by `status`.
+    A report names its instance (`instance`: name, port, model; see
+    reports.instance_field and the shim's reports.instance()): it is ours
+    when its name is ours, or, without a name, when its port is ours. A
+    report that names no instance at all is counted only when no instance
+    is given. Reports already there when the watchdog starts are not new;
+    the newest one is still shown by `status`.
     """
 
-    def __init__(self, folder: "str | os.PathLike[str]"):
+    def __init__(self, folder: "str | os.PathLike[str]", instance: Optional[str] = None,
+                 port: Optional[int] = None):
         self.folder = Path(folder)
+        self.instance = instance
+        self.port = port
         self._seen: Optional[set] = None
+        self._ours: Dict[str, bool] = {}  # file name -> is it this instance's
         self.newest: Optional[Tuple[float, str]] = None
 
     def scan(self) -> ReportScan:
@@ -180,6 +186,7 @@ class ReportWatcher:
                             pass
         except OSError:  # no folder (yet): no reports
             pass
+        names = {name: mtime for name, mtime in names.items() if self._is_ours(name)}
         new = 0 if self._seen is None else len(set(names) - self._seen)
         self._seen = set(names) if self._seen is None else self._seen | set(names)
         if names:
@@ -187,3 +194,36 @@ class ReportWatcher:
             self.newest = (names[name], name)
         newest_time, newest = self.newest if self.newest else (None, None)
         return ReportScan(new=new, newest=newest, newest_time=newest_time)
+
+    def _is_ours(self, name: str) -> bool:
+        if self.instance is None:
+            return True
+        if name not in self._ours:  # each file is read once
+            self._ours[name] = belongs_to(_read_report(self.folder / name), self.instance,
+                                          self.port)
+        return self._ours[name]
+
+
+def belongs_to(report: Optional[Mapping[str, object]], name: str,
+               port: Optional[int] = None) -> bool:
+    """Whether a report is instance name's (see ReportWatcher)."""
+    if not isinstance(report, Mapping):
+        return False
+    instance = report.get("instance")
+    if isinstance(instance, str):  # the watchdog's own reports before schema 1 had a name only
+        return instance == name
+    if not isinstance(instance, Mapping):
+        return False
+    if instance.get("name") is not None:
+        return instance.get("name") == name
+    return port is not None and instance.get("port") == port
+
+
+def _read_report(path: Path) -> Optional[Dict[str, object]]:
+    from .safefile import read_regular
+
+    try:
+        data = json.loads(read_regular(path, 1 << 23))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

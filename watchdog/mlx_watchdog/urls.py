@@ -53,9 +53,15 @@ def url_from_command(command: Sequence[str]) -> str:
     return probe_url(defaults.HOST if host is None else host, int(port))
 
 
-def _flags(args: Sequence[str], strict: bool = False) -> Dict[str, Optional[str]]:
-    """The last --host and --port values (`--flag V` or `--flag=V`)."""
-    values: Dict[str, Optional[str]] = {"--host": None, "--port": None}
+def flag_value(command: Sequence[str], flag: str) -> Optional[str]:
+    """The last value of flag in a command (`--flag V` or `--flag=V`), or None."""
+    return _flags(command, names=(flag,))[flag]
+
+
+def _flags(args: Sequence[str], strict: bool = False,
+           names: Sequence[str] = ("--host", "--port")) -> Dict[str, Optional[str]]:
+    """The last values of names (`--flag V` or `--flag=V`): --host and --port."""
+    values: Dict[str, Optional[str]] = {name: None for name in names}
     for i, arg in enumerate(args):
         for flag in values:
             if arg == flag:

@@ -6,11 +6,14 @@ that a probe waiting out its timeout on one server never delays the others.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from dataclasses import replace
 from typing import Dict, List, Optional
+
+import psutil
 
 from . import compose, defaults, reports
 
@@ -22,7 +25,8 @@ from .act import (
     SystemdRestart,
 )
 from .config import InstanceConfig, RestartConfig
-from .heartbeat import read_heartbeat
+from .heartbeat import Heartbeat, read_heartbeat
+from .log import LoopFailures
 from .metrics import Metrics
 from .monitor import Monitor, RestartAction
 from .process import CpuSampler, ProcessLocator
@@ -34,7 +38,14 @@ class StacksFirst:
     """Before any restart of a live, wedged server (launchctl kickstart -k,
     systemctl restart, a signal, a command): SIGUSR1 for its stacks, a short
     wait, a `wedged` report; then the real action. The report never blocks
-    the restart."""
+    the restart.
+
+    The heartbeat's pid comes from a file the server's user can write, and
+    SIGUSR1 kills a process that has no handler for it: that pid is signalled
+    only when it is the server's own (its lineage: the located server or one
+    of its descendants; with no locator, a process started to write this very
+    heartbeat, by its environment) and started before it wrote the beat.
+    """
 
     def __init__(self, action: RestartAction, instance: InstanceConfig,
                  locator: Optional[ProcessLocator]):
@@ -43,37 +54,76 @@ class StacksFirst:
         self.locator = locator
         self.report_dir = reports.report_dir(instance.report_dir)
         self.last_report: Optional[str] = None
+        self.refused: Optional[str] = None  # why the heartbeat's pid was not signalled
 
     def __str__(self) -> str:
         return str(self.action)
 
     def _pids(self) -> List[int]:
-        pids: List[int] = []
-        if self.instance.heartbeat_file:
-            beat = read_heartbeat(self.instance.heartbeat_file)
-            if beat is not None:
-                pids.append(beat.pid)
+        root: Optional[int] = None
         if self.locator is not None:
             try:
-                pid = self.locator.find().pid
-                if pid not in pids:
-                    pids.append(pid)
-            except Exception:  # noqa: BLE001 - no process to ask: no stacks
+                root = self.locator.find().pid
+            except Exception:  # noqa: BLE001 - no process to ask: no stacks from it
                 pass
+        pids: List[int] = []
+        self.refused = None
+        if self.instance.heartbeat_file:
+            beat = read_heartbeat(self.instance.heartbeat_file)
+            if beat is not None and beat.pid != root:
+                self.refused = not_the_server(beat, root, self.instance.heartbeat_file)
+                if self.refused is None:
+                    pids.append(beat.pid)
+        if root is not None:
+            pids.append(root)
         return pids
 
     def restart(self, reason: str) -> ActionResult:
         try:
-            pids = self._pids()
-            if pids:
+            # A pid from a stale heartbeat file, or a process already gone,
+            # has no stacks to give: no report about a process that is gone.
+            pids = [pid for pid in self._pids() if _running(pid)]
+            if pids or self.refused:
+                extra = {"instance": reports.instance_field(self.instance.name, self.instance.url)}
+                if self.refused:
+                    extra["stacks_refused"] = self.refused
                 path = reports.capture_stacks(
                     pids, reason=reason, directory=self.report_dir,
-                    heartbeat_file=self.instance.heartbeat_file,
-                    extra={"instance": self.instance.name})
+                    heartbeat_file=self.instance.heartbeat_file, extra=extra)
                 self.last_report = str(path) if path else None
         except Exception:  # noqa: BLE001 - evidence never blocks the restart
             pass
         return self.action.restart(reason)
+
+
+def not_the_server(beat: Heartbeat, root: Optional[int],
+                   heartbeat_file: "str | os.PathLike[str]") -> Optional[str]:
+    """Why the heartbeat's writer must not be signalled (None: it is the
+    server's). Strict: a process we cannot look at is not signalled."""
+    try:
+        proc = psutil.Process(beat.pid)
+        if proc.create_time() > beat.time + 1.0:
+            return f"pid {beat.pid} started after the heartbeat was written (a reused pid)"
+        if root is not None:
+            if root != beat.pid and root not in {p.pid for p in proc.parents()}:
+                return f"pid {beat.pid} is not the server (pid {root}) nor its descendant"
+            return None
+        written = proc.environ().get(defaults.HEARTBEAT_ENV)
+    except psutil.NoSuchProcess:
+        return f"pid {beat.pid} is not running"
+    except psutil.Error as exc:
+        return f"cannot look at pid {beat.pid}: {type(exc).__name__}"
+    if written is None or os.path.abspath(written) != os.path.abspath(heartbeat_file):
+        return (f"pid {beat.pid} was not started to write {heartbeat_file} "
+                f"({defaults.HEARTBEAT_ENV} is not set to it in its environment)")
+    return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def build_action(spec: RestartConfig) -> Optional[RestartAction]:
@@ -165,17 +215,24 @@ class Watcher:
             self._wakeup.close()
         for thread in threads:
             thread.join(timeout=1.0)  # a probe in flight is abandoned at exit
-        for monitor in self.monitors.values():
-            if monitor.state is not None:
-                monitor.state.flush()
+        stores = {id(m.state): m.state for m in self.monitors.values() if m.state is not None}
+        for store in stores.values():
+            store.stopped("the watchdog stopped (the server may still run, unwatched)")
         return 0
 
     def _loop(self, monitor: Monitor, interval: float) -> None:
-        monitor.started()
+        # Nothing may end this thread but the stop: a monitor whose thread
+        # died would leave its server unwatched, without a word.
+        failures = LoopFailures(monitor.events, "error", "tick failed; watching goes on")
+        started = False
         while not self._stop.is_set():
             began = time.monotonic()
             try:
+                if not started:
+                    monitor.started()
+                    started = True
                 monitor.tick()
+                failures.ok()
             except Exception:  # noqa: BLE001 - a bug in one monitor must not silence the others
-                monitor.events.exception("error", "tick failed")
+                failures.failed()
             self._stop.wait(max(0.0, interval - (time.monotonic() - began)))

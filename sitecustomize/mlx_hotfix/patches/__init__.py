@@ -29,11 +29,14 @@ import sys
 
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
-from . import (advance, disconnect, exit_on_death, extend, extract, heartbeat,
+from . import (admission, advance, disconnect, exit_on_death, extend, extract, heartbeat,
                prompt_cache_bytes, recover)
 
+# Applied in this order; each wraps what the ones before it wrapped. admission
+# comes last, outermost: a request waits in its line before any other part
+# (or stock) sees it.
 PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes,
-           extract)
+           extract, admission)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"

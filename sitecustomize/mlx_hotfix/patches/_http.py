@@ -8,8 +8,9 @@ server's CORS headers) plus what a client needs to act on a 503.
 import json
 
 
-def send_json(handler, status, body, *, close=False):
-    """Write a complete JSON response on handler (a BaseHTTPRequestHandler)."""
+def send_json(handler, status, body, *, close=False, retry_after=5):
+    """Write a complete JSON response on handler (a BaseHTTPRequestHandler);
+    a 503 says when to retry (retry_after, whole seconds)."""
     data = json.dumps(body).encode()
     handler.send_response(status)
     handler.send_header("Content-Type", "application/json")
@@ -21,7 +22,7 @@ def send_json(handler, status, body, *, close=False):
             pass
     handler.send_header("Content-Length", str(len(data)))
     if status == 503:
-        handler.send_header("Retry-After", "5")
+        handler.send_header("Retry-After", str(int(retry_after)))
     if close:
         handler.send_header("Connection", "close")
     handler.end_headers()

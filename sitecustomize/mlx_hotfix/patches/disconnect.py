@@ -33,6 +33,7 @@ import threading
 from .. import heartbeat, log
 from .._wrap import _MARK
 from .._wrap import _wrap as _wrap_as
+from . import loop_shapes
 from ._source import source_of
 
 NAME = "disconnect"
@@ -258,17 +259,10 @@ def _wrap(function, wrapper):
 def check_shape(server):
     import queue
 
-    handler = getattr(server, "APIHandler", None)
-    generator = getattr(server, "ResponseGenerator", None)
-    context = getattr(server, "GenerationContext", None)
-    if handler is None or generator is None or context is None:
-        return "mlx_lm.server has no APIHandler/ResponseGenerator/GenerationContext"
-    if not callable(getattr(context, "stop", None)):
-        return "GenerationContext has no stop()"
-    for owner, name in ((handler, "handle_completion"), (handler, "do_POST"),
-                        (generator, "generate")):
-        if not callable(getattr(owner, name, None)):
-            return "%s.%s is missing" % (owner.__name__, name)
+    why = loop_shapes.check_stoppable(server, ("handle_completion", "do_POST"), ("generate",))
+    if why is not None:
+        return why
+    handler = server.APIHandler
     if getattr(server.Queue, "_mlx_hotfix_hangup", False):
         return "already applied"
     if not (isinstance(server.Queue, type) and issubclass(server.Queue, queue.Queue)):

@@ -148,6 +148,8 @@ class Lifeline:
                plan or "exiting %d" % settings.exit_code)
         )
         pairing = _note_known_bad_pair()
+        if plan is None:
+            heartbeat.died("%s: %s" % (exc.__class__.__name__, _one_line(exc)), during_startup)
         if plan is None:  # a recovery writes its own "recovered" report
             extra = {"in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
                      "exit_code": settings.exit_code, "during_startup": during_startup}
@@ -431,6 +433,12 @@ def _make_main_thread_excepthook(previous):
             "the server's main thread stopped (%s: %s) while the generation thread runs; "
             "exiting %d" % (exc_type.__name__, _one_line(exc), code)
         )
+        # Most often the listener could not bind (the port is taken): at start-up.
+        serving = heartbeat.phase() != heartbeat.LOADING
+        heartbeat.died("%s: %s" % (exc_type.__name__, _one_line(exc)), not serving)
+        reports.write_report("died", exc=exc, extra={"exit_code": code, "in_flight": 0,
+                                                     "during_startup": not serving,
+                                                     "thread": "main"})
         heartbeat.notify_stopping("the server stopped listening; exiting")
         _flush_output()
         os._exit(code)

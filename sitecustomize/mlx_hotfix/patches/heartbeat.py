@@ -21,6 +21,12 @@ How (the mechanism is mlx_hotfix.heartbeat; this module only wires it):
   (a client that hangs up mid-stream is finished too).
 - ``APIHandler.handle_health_check``: 503 loading / 200 ok / 503 stalled /
   503 unavailable after a death (the ``exit`` part, when on, answers that).
+- A watchdog's probe (header ``X-MLX-Watchdog-Probe: 1``) is progress like
+  any request, but stays out of the throughput counters (tokens, delivered,
+  requests) and out of the server's log: its access line
+  (``APIHandler.log_message``), its prompt-progress lines and the prompt
+  cache lines the loop logs when it takes it (``_next_request``), so that a
+  probe every few seconds does not fill the log or look like traffic.
 
 Gate: shape only, no upper version bound (a fail-safe part: it observes, it
 changes no result). Off switch: MLX_HOTFIX_DISABLE=heartbeat.
@@ -47,16 +53,38 @@ VERSIONS = ("0.31.0", "0.33.0")  # tested range; a fail-safe part applies beyond
 FIXED_IN = None
 TEST = "tests/test_shim_stall.py"
 
-_local = threading.local()  # the requests a handler thread opened
+_local = threading.local()  # the requests a handler thread opened; is it a probe's
+PROBE_HEADER = "X-MLX-Watchdog-Probe"  # sent by mlx-watchdog's probe, value "1"
+_quiet_loop = False  # the generation loop is taking a probe: its INFO lines are dropped
+
+
+def _is_probe(handler):
+    headers = getattr(handler, "headers", None)
+    try:
+        return headers is not None and headers.get(PROBE_HEADER, "").strip() == "1"
+    except Exception:  # noqa: BLE001 - a handler without parsed headers
+        return False
+
+
+class _QuietProbes:
+    """A root-logger filter: the stock server's INFO lines about a probe go."""
+
+    def filter(self, record):
+        if record.levelno != 20:  # logging.INFO; warnings and errors always pass
+            return True
+        if heartbeat.on_generation_thread():
+            return not _quiet_loop
+        return not getattr(_local, "probe", False)
 
 
 class _Request:
     """One client's request in flight; finished exactly once."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "probe")
 
     def __init__(self):
         self.done = False
+        self.probe = getattr(_local, "probe", False)
         heartbeat.request_started()
         opened = getattr(_local, "opened", None)
         if opened is not None:
@@ -65,7 +93,7 @@ class _Request:
     def finish(self):
         if not self.done:
             self.done = True
-            heartbeat.request_finished()
+            heartbeat.request_finished(counted=not self.probe)
 
 
 def _until_done(stream, request):
@@ -84,13 +112,20 @@ def _make_delivery_queue(base, response_class):
     class _DeliveryQueue(base):
         """Counts what the generation thread puts for clients."""
 
+        _mlx_hotfix_probe = False  # also for a queue made without __init__ (recover's)
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # Made by the handler thread of the request it answers.
+            self._mlx_hotfix_probe = getattr(_local, "probe", False)
+
         def put(self, item, block=True, timeout=None):
             # A Response is a generated token, a tuple a prompt progress report;
             # loop_put ignores every thread but the generation thread.
             if isinstance(item, response_class):
-                loop_put(token)
+                loop_put(token, not self._mlx_hotfix_probe)
             elif isinstance(item, tuple):
-                loop_put(prompt)
+                loop_put(prompt, not self._mlx_hotfix_probe)
             else:
                 loop_put(None)
             base_put(self, item, block, timeout)
@@ -152,14 +187,38 @@ def _wrap_handle_completion(original):
     def handle_completion(self, *args, **kwargs):
         outer = getattr(_local, "opened", None)
         _local.opened = []
+        _local.probe = _is_probe(self)
         try:
             return original(self, *args, **kwargs)
         finally:
             for request in _local.opened:
                 request.finish()
             _local.opened = outer
+            _local.probe = False
 
     return _wrap(original, handle_completion, NAME)
+
+
+def _wrap_next_request(original):
+    # The loop took a request: while it sets a probe up, its INFO lines go.
+    def _next_request(self, *args, **kwargs):
+        global _quiet_loop
+        request = original(self, *args, **kwargs)
+        if request is not None:
+            queue = request[0] if isinstance(request, tuple) and request else None
+            _quiet_loop = bool(getattr(queue, "_mlx_hotfix_probe", False))
+        return request
+
+    return _wrap(original, _next_request, NAME)
+
+
+def _wrap_log_message(original):
+    def log_message(self, *args, **kwargs):
+        if _is_probe(self):
+            return None  # the access line of a watchdog's probe
+        return original(self, *args, **kwargs)
+
+    return _wrap(original, log_message, NAME)
 
 
 def _generation_dead(handler):
@@ -229,7 +288,12 @@ def apply(server):
         (handler, "handle_health_check", _wrap_health(handler.handle_health_check)),
     ]
     for owner, name in loop_shapes.loop_hooks(server):
-        replacements.append((owner, name, _wrap_loop_turn(getattr(owner, name))))
+        method = getattr(owner, name)
+        if owner is generator and name == "_next_request":
+            method = _wrap_next_request(method)
+        replacements.append((owner, name, _wrap_loop_turn(method)))
+    if callable(getattr(handler, "log_message", None)):
+        replacements.append((handler, "log_message", _wrap_log_message(handler.log_message)))
     if provider is not None and callable(getattr(provider, "load", None)):
         replacements.append((provider, "load", _wrap_model_load(provider.load)))
     listener = getattr(server, "ThreadingHTTPServer", None)
@@ -242,3 +306,6 @@ def apply(server):
         setattr(owner, name, value)
     if any(name == "server_activate" for _, name, _ in replacements):
         heartbeat.watch_listener()
+    import logging
+
+    logging.getLogger().addFilter(_QuietProbes())

@@ -118,6 +118,24 @@ def loop_hooks(server):
     return hooks
 
 
+def check_stoppable(server, handler_methods, generator_methods):
+    """The shape a part needs to stop a request as stock stops a stream
+    (``ctx.stop()``): the handler, the generator, ``GenerationContext.stop``
+    and the named methods. None if it fits, else why not."""
+    handler = getattr(server, "APIHandler", None)
+    generator = getattr(server, "ResponseGenerator", None)
+    context = getattr(server, "GenerationContext", None)
+    if handler is None or generator is None or context is None:
+        return "mlx_lm.server has no APIHandler/ResponseGenerator/GenerationContext"
+    if not callable(getattr(context, "stop", None)):
+        return "GenerationContext has no stop()"
+    for owner, names in ((handler, handler_methods), (generator, generator_methods)):
+        for name in names:
+            if not callable(getattr(owner, name, None)):
+                return "%s.%s is missing" % (owner.__name__, name)
+    return None
+
+
 def check_server(server, generator_methods, handler_methods, part):
     """The shape both the exit and the heartbeat part need: the loop's hook
     points, the named methods, not yet wrapped by part, queue.Queue responses.

@@ -88,3 +88,19 @@ def default_layout(manager: str, *, home: Path, system: bool = False,
         out = Path(output_dir)
         layout = dataclasses.replace(layout, unit_dir=out, config_dir=out)
     return layout
+
+
+def state_folders(*, home: Path, environ: Mapping[str, str]) -> List[Path]:
+    """Every folder where an installed watchdog keeps its NAME.state.json
+    (each manager, user and system; a root watchdog's -root folder too), for
+    `status` to find every installed instance."""
+    folders: List[Path] = []
+    for manager in defaults.MANAGERS:
+        backend = backend_for(manager)
+        for system in (False, True) if backend.supports_system else (False,):
+            state_dir = backend.standard_layout(home=Path(home), system=system,
+                                                environ=environ).state_dir
+            for folder in (state_dir, state_dir.with_name(state_dir.name + "-root")):
+                if system or folder == state_dir:
+                    folders.append(folder)
+    return list(dict.fromkeys(folders))

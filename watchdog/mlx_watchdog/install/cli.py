@@ -15,44 +15,69 @@ import click
 from ..defaults import MANAGERS
 from .instance import FlagError, InstallError
 
-_INSTALL_HELP = """Install MANAGER (launchd or systemd) definitions for a server and its watchdog.
+def _install_help() -> str:
+    # From the same constants as the definitions, so the two cannot disagree.
+    from .. import defaults as d
+    from . import launchd, systemd
+
+    return f"""Install MANAGER (launchd or systemd) definitions for a server and its watchdog.
 
 \b
 Writes, for instance NAME (default mlx-PORT):
   - a server definition running `PYTHON -m mlx_lm server --model MODEL
     --host HOST --port PORT [SERVER_ARGS...]` with the hotfix shim on its
-    PYTHONPATH and MLX_HOTFIX_HEARTBEAT_FILE set;
+    PYTHONPATH and MLX_HOTFIX_HEARTBEAT_FILE set (plus every --env);
   - a watchdog definition running `mlx_watchdog.cli watch --config NAME.toml`;
-  - NAME.toml (the watchdog config) and NAME.install.json (what was written,
-    for uninstall).
+  - NAME.toml (the watchdog config, with the probe and metrics flags) and
+    NAME.install.json (what was written, for uninstall).
 Then loads them: launchctl bootout (if loaded) + bootstrap gui/UID, or
 systemctl [--user] daemon-reload + enable --now (enable + restart when
-updating an existing install). Re-running install updates in place.
+updating an existing install). Re-running install updates in place: change
+a setting by re-running it with the new flags (the files are rewritten).
 
 \b
-launchd: ~/Library/LaunchAgents/io.github.mlx-watchdog.NAME.{server,watchdog}.plist,
+launchd: ~/Library/LaunchAgents/io.github.mlx-watchdog.NAME.{{server,watchdog}}.plist,
   logs in ~/Library/Logs/mlx-watchdog/. The server has KeepAlive
-  {SuccessfulExit: false, Crashed: true} (exit 70 restarts) and
-  ThrottleInterval 30 (default 10): launchd's respawn throttle is its only
-  storm control; it only delays a server that dies within 30 s of its launch
-  (a crash loop), not one that ran for hours. ProcessType Interactive keeps the server out of
-  background (App Nap-style) throttling.
-systemd: ~/.config/systemd/user/NAME-{server,watchdog}.service (--system:
+  {{SuccessfulExit: false, Crashed: true}} (exit {d.SHIM_EXIT_CODE} restarts) and
+  ThrottleInterval {launchd.SERVER_THROTTLE_INTERVAL} (default 10): launchd's respawn
+  throttle is its only storm control; it only delays a server that dies within
+  {launchd.SERVER_THROTTLE_INTERVAL} s of its launch (a crash loop), not one that ran for
+  hours. ProcessType Interactive keeps the server out of background (App
+  Nap-style) throttling.
+systemd: ~/.config/systemd/user/NAME-{{server,watchdog}}.service (--system:
   /etc/systemd/system), logs in the journal. The server is Type=notify with
-  WatchdogSec=60, TimeoutStartSec=600, Restart=on-failure, and at most 5
-  starts in 10 minutes.
+  WatchdogSec={systemd.WATCHDOG_SEC}, TimeoutStartSec={systemd.TIMEOUT_START_SEC},
+  Restart=on-failure, RestartSec={systemd.RESTART_SEC}, and no start limit
+  (StartLimitIntervalSec={systemd.START_LIMIT_INTERVAL_SEC}): it is never left failed
+  for good; the watchdog backs its own restarts off ({d.BACKOFF_INITIAL_S:g} s doubling
+  to {d.BACKOFF_MAX_S:g} s).
 
 \b
 Example (server flags after --):
-  mlx-watchdog install systemd --model ~/models/qwen --port 8080 -- --max-tokens 4096
+  mlx-watchdog install systemd --model ~/models/qwen --port 8080 \\
+      --metrics-port 9464 --env MLX_HOTFIX_STALL_TIMEOUT=60 -- --max-tokens 4096
 """
+
+
+def _watch_option(flag: str, key: str, default_name: str, text: str, *,
+                  integer: bool = False, zero: bool = False):
+    """A probe flag written into NAME.toml as `key` (only when given)."""
+    from .. import defaults
+
+    default = getattr(defaults, default_name)
+    if integer:
+        kind: click.ParamType = click.IntRange(min=1)
+    else:
+        kind = click.FloatRange(min=0, min_open=not zero, max=1e7)
+    return click.option(flag, key, type=kind, default=None,
+                        help=f"{text} [default: {default:g}]")
 
 
 def _flag_error(exc: FlagError) -> click.BadParameter:
     return click.BadParameter(exc.message, param_hint=[exc.flag])
 
 
-@click.command("install", help=_INSTALL_HELP,
+@click.command("install", help=_install_help(),
                context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("manager", type=click.Choice(MANAGERS))
 @click.option("--model", required=True,
@@ -88,6 +113,27 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
 @click.option("--remote-shim-path", default=None,
               help="A distributed group: the hotfix shim folder on the other hosts "
                    "(default: the same path as --shim-dir).")
+@click.option("--env", "server_env", multiple=True, metavar="KEY=VALUE",
+              help="Set a variable in the server's environment, e.g. "
+                   "MLX_HOTFIX_STALL_TIMEOUT=60 or MLX_HOTFIX_RECOVER=thread (repeatable; see "
+                   "the README's shim variables).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="The watchdog serves Prometheus metrics on this port (off unless given).")
+@click.option("--metrics-host", default=None,
+              help="Address for the metrics server [default: 127.0.0.1]; 0.0.0.0 (or the "
+                   "LAN address) for a Prometheus on another machine.")
+@_watch_option("--probe-interval", "interval", "PROBE_INTERVAL_S", "Seconds between probes.")
+@_watch_option("--probe-timeout", "timeout", "PROBE_TIMEOUT_S", "Seconds for one whole probe.")
+@_watch_option("--failures", "failures", "FAILURES",
+               "Consecutive failed probes without progress before a restart.", integer=True)
+@_watch_option("--boot-grace", "boot_grace", "BOOT_GRACE_S",
+               "Seconds after each start during which failures do not count.", zero=True)
+@_watch_option("--heartbeat-timeout", "heartbeat_timeout", "HEARTBEAT_TIMEOUT_S",
+               "Seconds without a heartbeat after which the loop counts as hung.")
+@_watch_option("--max-busy", "max_busy", "MAX_BUSY_S",
+               "Seconds a server may look busy without answering (0: no limit).", zero=True)
+@_watch_option("--stop-grace", "stop_grace", "STOP_GRACE_S",
+               "Seconds between SIGTERM and SIGKILL for the watchdog's restarts.", zero=True)
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def install_command(manager: str, model: str, port: int, host: str, name: Optional[str],
                     python: Optional[str], watchdog_python: Optional[str],
@@ -95,11 +141,15 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
                     dry_run: bool, system: bool, user_name: Optional[str],
                     hostfile: Optional[str], group_hosts: Optional[str],
                     backend: Optional[str], remote_shim_path: Optional[str],
-                    server_args: Tuple[str, ...]) -> None:
+                    server_env: Tuple[str, ...], metrics_port: Optional[int],
+                    metrics_host: Optional[str], server_args: Tuple[str, ...],
+                    **watch_settings: object) -> None:
     from . import execute, plan
 
     try:
         planned = plan.prepare(
+            server_env=server_env, metrics_port=metrics_port, metrics_host=metrics_host,
+            watch_settings={k: v for k, v in watch_settings.items() if v is not None},
             manager=manager, model=model, port=port, host=host, name=name, python=python,
             watchdog_python=watchdog_python, shim_dir=shim_dir, offline=offline,
             output_dir=output_dir, dry_run=dry_run, system=system, user_name=user_name,

@@ -75,11 +75,19 @@ def apply(plan: Plan) -> None:
     except InstallError as exc:
         raise InstallError(f"{exc}\n{failure_hint}") from exc
 
+    notes = backend.installed_notes(inst) + [
+        f"check it: mlx-watchdog status   (state in {inst.state_file})"]
+    if inst.metrics_port is not None:
+        host = inst.metrics_host or "127.0.0.1"
+        notes.append(f"metrics: http://{'[' + host + ']' if ':' in host else host}:"
+                     f"{inst.metrics_port}/metrics")
     if plan.dry_run:
-        click.echo("dry run: nothing was loaded.")
+        click.echo("dry run: nothing was loaded. Once installed:")
+        for note in notes:
+            click.echo(f"  {note}")
         return
     click.echo(f"installed {inst.name}: {' + '.join(services)}; server at {inst.url}")
-    for note in backend.installed_notes(inst):
+    for note in notes:
         click.echo(note)
 
 

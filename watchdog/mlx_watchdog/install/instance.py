@@ -114,6 +114,12 @@ class Instance:
     #: the server runs as `mlx-watchdog exec -- mlx.launch ... -- server`.
     group_launch: Tuple[str, ...] = ()
     remote_shim_dir: Optional[str] = None  # the shim folder on the group's other hosts
+    #: install's --env: more of the server's environment (MLX_HOTFIX_* settings).
+    server_extra_env: Tuple[Tuple[str, str], ...] = ()
+    #: install's probe flags, as keys of the watch config's instance table.
+    watch_settings: Tuple[Tuple[str, object], ...] = ()
+    metrics_port: Optional[int] = None
+    metrics_host: Optional[str] = None
 
     # ---- derived paths ----
     @property
@@ -172,6 +178,9 @@ class Instance:
             env["HF_HUB_OFFLINE"] = "1"
         if self.group_launch and self.remote_shim_dir:
             env["MLX_WATCHDOG_REMOTE_SHIM"] = self.remote_shim_dir
+        env.update(self.server_extra_env)
+        # Crash reports name the instance (reports of several instances share a folder).
+        env[defaults.INSTANCE_ENV] = self.name
         return env
 
     def watchdog_argv(self) -> List[str]:
@@ -207,11 +216,20 @@ def watchdog_config_toml(inst: Instance, restart: Mapping[str, object]) -> str:
         f"# {MARKER} ({inst.manager}) for instance {inst.name}.",
         "# Re-run `mlx-watchdog install` to change it; `mlx-watchdog uninstall` removes it.",
         f"state_file = {toml_value(str(inst.state_file))}",
+    ]
+    if inst.metrics_port is not None:
+        lines.append(f"metrics_port = {toml_value(inst.metrics_port)}")
+    if inst.metrics_host is not None:
+        lines.append(f"metrics_host = {toml_value(inst.metrics_host)}")
+    lines += [
         "",
         f"[{key}]",
         f"url = {toml_value(inst.url)}",
         f"model = {toml_value(defaults.MODEL)}",
         f"heartbeat_file = {toml_value(str(inst.heartbeat_file))}",
+    ]
+    lines += [f"{toml_key(k)} = {toml_value(v)}" for k, v in inst.watch_settings]
+    lines += [
         "",
         f"[{key}.restart]",
     ]
@@ -228,6 +246,8 @@ def toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)
     out = ['"']
     for ch in str(value):
         if ch == '"':

@@ -29,10 +29,11 @@ Choices, and why:
 
 from __future__ import annotations
 
+import os
 import plistlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Mapping
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional
 
 from .. import defaults
 from .instance import LABEL_PREFIX, MARKER, Instance, Layout, watchdog_config_toml
@@ -131,6 +132,31 @@ def render(inst: Instance) -> Dict[Path, bytes]:
     }
 
 
+def newsyslog_conf(inst: Instance, owner: Optional[str] = None) -> str:
+    """newsyslog.conf(5) lines for the four launchd logs of inst: rotate at
+    NEWSYSLOG_SIZE_KB, keep NEWSYSLOG_COUNT, compressed (J), new files owned by
+    the user (a root-owned new log would stop the job from writing it), and
+    no signal (N: nobody reopens on one). A job keeps writing into the file it
+    opened until launchd starts it again, which a restart of the server does."""
+    if owner is None:
+        import grp
+        import pwd
+
+        user = pwd.getpwuid(os.getuid())
+        owner = f"{user.pw_name}:{grp.getgrgid(user.pw_gid).gr_name}"
+    log_dir = _log_dir(inst)
+    lines = ["# logfilename  [owner:group]  mode  count  size(KB)  when  flags"]
+    for stem in (inst.name, f"{inst.name}.watchdog"):
+        for stream in ("out", "err"):
+            lines.append(f"{log_dir / f'{stem}.{stream}.log'}  {owner}  640  "
+                         f"{NEWSYSLOG_COUNT}  {NEWSYSLOG_SIZE_KB}  *  NJ")
+    return "\n".join(lines) + "\n"
+
+
+NEWSYSLOG_COUNT = 5
+NEWSYSLOG_SIZE_KB = 10240
+
+
 # ---- launchctl command lines ----
 
 def domain(uid: int) -> str:
@@ -199,7 +225,11 @@ class LaunchdBackend:
         pass
 
     def installed_notes(self, inst: Instance) -> List[str]:
-        return [f"logs: {inst.layout.log_dir}/{inst.name}.{{out,err}}.log"]
+        conf = f"/etc/newsyslog.d/mlx-watchdog-{inst.name}.conf"
+        return [f"logs: {inst.layout.log_dir}/{inst.name}.{{out,err}}.log (and "
+                f"{inst.name}.watchdog.{{out,err}}.log)",
+                "log rotation: launchd never rotates them; have newsyslog do it:\n"
+                f"  sudo tee {conf} <<'EOF'\n{newsyslog_conf(inst)}EOF"]
 
     @staticmethod
     def _bootout(name: str, uid: int, runner: "Runner", *, wait: bool) -> None:

@@ -4,14 +4,17 @@ needs the host), the Instance to render, and what is already installed."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 import click
 
+from .. import defaults
 from . import hostcheck
 from .backend import ServiceBackend, backend_for, default_layout
 from .instance import (FlagError, Instance, check_name, check_user_name, default_name,
@@ -58,13 +61,57 @@ def _check_server_args(server_args: Sequence[str]) -> None:
                                            f"install's own {flag} (before --)")
 
 
+# Set by install itself: an --env may not change where the shim comes from or
+# where its heartbeat goes, or the watchdog would judge another server.
+_RESERVED_ENV = ("PYTHONPATH", defaults.HEARTBEAT_ENV, defaults.INSTANCE_ENV)
+
+
+def _check_server_env(assignments: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
+    """--env KEY=VALUE flags as pairs; FlagError for a malformed or reserved one.
+    An MLX_HOTFIX_ name the shim does not list gets a warning (a typo is
+    otherwise silently ignored by the server)."""
+    known = _shim_variables()
+    pairs = []
+    for assignment in assignments:
+        key, eq, value = assignment.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise FlagError("--env", f"{assignment!r}: expected KEY=VALUE, e.g. "
+                                     "MLX_HOTFIX_STALL_TIMEOUT=60")
+        if key in _RESERVED_ENV:
+            raise FlagError("--env", f"{key} is set by install itself")
+        if _has_control_character(value):
+            raise FlagError("--env", f"{assignment!r} contains a control character")
+        if key.startswith("MLX_HOTFIX") and known and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            click.echo(f"warning: --env {key}: the hotfix shim does not know this variable"
+                       f"{hint}", err=True)
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+def _shim_variables() -> "set[str]":
+    """The MLX_HOTFIX_* names the shim reads, from its config module (read as
+    data, never imported: the watchdog does not import the shim)."""
+    from ..shim import shim_dir
+
+    try:
+        text = (shim_dir() / "mlx_hotfix" / "config.py").read_text()
+    except (OSError, FileNotFoundError):
+        return set()
+    return set(re.findall(r"\bMLX_HOTFIX(?:_[A-Z0-9]+)*\b", text))
+
+
 def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[str],
             python: Optional[str], watchdog_python: Optional[str], shim_dir: Optional[str],
             offline: bool, output_dir: Optional[Path], dry_run: bool, system: bool,
             user_name: Optional[str], server_args: Sequence[str],
             hostfile: Optional[str] = None, group_hosts: Optional[str] = None,
             group_backend: Optional[str] = None,
-            remote_shim_path: Optional[str] = None) -> Plan:
+            remote_shim_path: Optional[str] = None,
+            server_env: Sequence[str] = (), metrics_port: Optional[int] = None,
+            metrics_host: Optional[str] = None,
+            watch_settings: Optional[Mapping[str, object]] = None) -> Plan:
     """Check every flag (FlagError names the first bad one) and plan the install."""
     backend = backend_for(manager)
     if system and not backend.supports_system:
@@ -85,6 +132,9 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
         if value is not None and _has_control_character(value):
             raise FlagError(flag, f"{value!r} contains a control character (a newline?)")
 
+    extra_env = _check_server_env(server_env)
+    if metrics_host is not None and (not metrics_host or _has_control_character(metrics_host)):
+        raise FlagError("--metrics-host", f"{metrics_host!r} is not an address")
     server_python = hostcheck.resolve_executable(python or sys.executable, "--python")
     hostcheck.check_python_module(server_python, "mlx_lm", "--python")
     if watchdog_python is None:
@@ -125,6 +175,8 @@ def prepare(*, manager: str, model: str, port: int, host: str, name: Optional[st
             python=server_python, watchdog_python=wd_python, shim_dir=shim_path,
             layout=layout, server_args=tuple(server_args), offline=offline, system=system,
             user_name=user_name, watchdog_launcher=hostcheck.watchdog_launcher(wd_python),
+            server_extra_env=extra_env, metrics_port=metrics_port, metrics_host=metrics_host,
+            watch_settings=tuple(sorted((watch_settings or {}).items())),
         ),
         backend=backend, existing=existing, dry_run=dry_run, uid=uid,
         custom_dir=Path(layout.unit_dir) != standard.unit_dir,
