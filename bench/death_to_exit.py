@@ -70,6 +70,7 @@ from bench.procs import (
     TimedProcess,
     TimedServer,
 )
+from bench.timeline import LEAD_S, Traffic
 from harness.procs import chat, chat_body
 from harness.repro import EXTEND_CRASH_ARGS, PENALTY, long_prompt
 from harness.server import base_env, free_port
@@ -81,6 +82,26 @@ CASES = (("fault", "0.31.3"), ("fault", "0.32.2"), ("extend", "0.31.3"))
 GOAL_S = 0.5
 CLIENT_TIMEOUT = 60.0
 EXTEND_ATTEMPTS = 5  # the extend crash depends on timing: retry a pair that did not crash
+AFTER_SERVING_S = 5.0  # traffic kept after serving again, for the timeline
+
+
+def traffic_hooks(traffic: Traffic, cause: str, before=None, after=None):
+    """before()/after() for trigger_until_death that keep the traffic off the
+    `extend` pair: the crash needs the two requests alone in the batch."""
+    if cause != "extend":
+        return before, after
+
+    def held_before():
+        traffic.hold()
+        if before:
+            before()
+
+    def released_after(hit):
+        if after:
+            after(hit)
+        traffic.release()
+
+    return held_before, released_after
 
 
 def case_env(cause: str, arm: Path, *, shim: bool) -> dict:
@@ -220,15 +241,23 @@ def stock_zombie(fig: Figure, cause: str, version: str, model: Path, work: Path,
     server = TimedServer(version, model, work, shim=False, env=case_env(cause, arm, shim=False),
                          args=case_args(cause))
     server.start()
+    traffic = None
     try:
         server.wait_listening(120)
         assert warm_request(server.url, cause).status_code == 200, server.log()[-2000:]
-        clients, hit, attempts = trigger_until_death(cause, server.url, server.out, arm, 0, window)
+        traffic = Traffic(server.url).start()
+        time.sleep(LEAD_S)
+        # The extend crash needs a fresh penalty warm-up after the traffic.
+        rewarm = (lambda: warm_request(server.url, cause)) if cause == "extend" else None
+        before, after = traffic_hooks(traffic, cause, before=rewarm)
+        clients, hit, attempts = trigger_until_death(cause, server.url, server.out, arm, 0, window,
+                                                     before=before, after=after)
         if hit is None:
             return {"death": None, "attempts": attempts}
         death_at = float(hit[2].group(2))
         server.wait_exit(max(0.0, death_at + window - time.time()))
         waited = time.time() - death_at
+        traffic.stop()
         for c in clients:
             c.join(max(0.0, death_at + window + 5 - time.time()))
         alive = server.exited_at is None
@@ -242,9 +271,12 @@ def stock_zombie(fig: Figure, cause: str, version: str, model: Path, work: Path,
             "waited_s": waited, "exited": not alive, "exit_code": server.out.returncode,
             "health_after": health, "new_completion": fresh.record(),
             "new_completion_ok": fresh.outcome() == COMPLETED,
+            "timeline": traffic.timeline(death_at),
             **summary,
         }
     finally:
+        if traffic is not None:
+            traffic.stop()
         server.stop()
 
 
@@ -379,16 +411,23 @@ def supervised(fig: Figure, cause: str, version: str, model: Path, work: Path,
                 sup.resume()
         for i in range(deaths):
             child_pid = track_children()
+            # The first death carries steady client traffic, for the timeline plot.
+            traffic = Traffic(url).start() if i == 0 else None
+            if traffic is not None:
+                time.sleep(LEAD_S)
             if cause == "fault":
                 # Death at a random moment of the supervisor's 1 s probe cycle.
                 time.sleep(rng.uniform(0.0, 1.0))
             watch = ExitWatch(psutil.Process(child_pid))
             start = len(sup.out.lines)
+            hooks = traffic_hooks(traffic, cause, before, after) if traffic else (before, after)
             clients, hit, attempts = trigger_until_death(cause, url, sup.out, arm, i,
-                                                         CLIENT_TIMEOUT, before=before,
-                                                         after=after)
+                                                         CLIENT_TIMEOUT, before=hooks[0],
+                                                         after=hooks[1])
             if hit is None:
                 watch.stop()
+                if traffic is not None:
+                    traffic.stop()
                 records.append({"death": None, "attempts": attempts})
                 continue
             death_index, _, match = hit
@@ -414,6 +453,13 @@ def supervised(fig: Figure, cause: str, version: str, model: Path, work: Path,
                 "death_to_serving_s": (serving_at - death_at) if serving_at else None,
                 "healthy_again": healthy is not None,
             }
+            if traffic is not None:
+                time.sleep(max(0.0, (serving_at or time.time()) + AFTER_SERVING_S - time.time()))
+                traffic.stop()
+                record["timeline"] = traffic.timeline(death_at, [
+                    (watch.exited_at, "child exited"),
+                    (restarted[1] if restarted else None, "restarted"),
+                    (serving_at, "serving again")])
             record.update(client_summary(clients, death_at, watch.exited_at))
             records.append(record)
             fig.log(f"  supervise {cause} {version} #{i + 1}: "
@@ -478,6 +524,17 @@ def main() -> int:
     # -- tables
     rows1, rows2, rows3, summary = [], [], [], {}
     names = {"fault": "injected `resource` fault at decode", "extend": "real `extend` crash"}
+    results["timelines"] = {}
+    for key, case in results["cases"].items():
+        ours = next((r["timeline"] for r in case["supervise"]["deaths"] if r.get("timeline")),
+                    None)
+        stock = case["stock"].get("timeline")
+        if ours and stock:
+            results["timelines"][key] = {
+                "title": f"{names[case['cause']].replace('`', '')}, mlx-lm {case['version']}: "
+                         "requests answered per second",
+                "zero": "death",
+                "arms": {"stock": stock, "shim + mlx-watchdog supervise": ours}}
     for key, case in results["cases"].items():
         cause, version = case["cause"], case["version"]
         label = f"{names[cause]}, mlx-lm {version}"
@@ -553,7 +610,11 @@ def main() -> int:
         "(harness/repro.py), shim with `MLX_HOTFIX_DISABLE=extend`. Under supervise, the "
         "`extend` pair is sent with the supervisor paused (SIGSTOP; its 1 s one-token probes "
         "would join the prefill batch, and then the crash does not happen), and resumed as "
-        "soon as the death line arrives, before the child exits. Tiny random llama, CPU.")
+        "soon as the death line arrives, before the child exits. Tiny random llama, CPU. "
+        "Plots: the stock zombie and the first supervised death of each case under steady "
+        "traffic (bench/timeline.py: 2 clients, one 4-token completion after another, 10 s "
+        f"read timeout, from {LEAD_S:g} s before the death); the `extend` pair is sent with that "
+        "traffic held (its crash needs the pair alone in the batch).")
     fig.write(results, body, summary)
     return 0
 

@@ -1,4 +1,4 @@
-"""Figure: a non-streaming client that hangs up, with the `disconnect` part
+"""Figure 10: a non-streaming client that hangs up, with the `disconnect` part
 and without it (stock behaviour: MLX_HOTFIX_DISABLE=disconnect).
 
 Real stock servers, tiny random llama, CPU, one decode slot
@@ -57,11 +57,12 @@ def _one(version, model, work, shim_part_on):
 
 
 def main() -> int:
-    figure = Figure("disconnect_savings", "A client that hangs up: decode steps and queue wait saved")
+    figure = Figure("disconnect_savings",
+                    "Figure 10: a client that hangs up, decode steps and queue wait saved",
+                    __doc__)
     work = temp_dir("disconnect-")
     model = build_model("llama", work / "model")
-    revision = figure.stamp["revision"]  # also in the footer, with the dirty flag
-    results, rows = {"git_revision": revision}, []
+    results, rows = {}, []
     for version in VERSIONS:
         stock = _one(version, model, work, False)
         ours = _one(version, model, work, True)
@@ -71,8 +72,8 @@ def main() -> int:
                      f"{stock['b_wait_s'] - ours['b_wait_s']:.2f} s",
                      stock["decode_steps_by_b"], ours["decode_steps_by_b"],
                      stock["decode_steps_by_b"] - ours["decode_steps_by_b"]])
-    body = ("Client A: 4000 tokens, hangs up after 0.5 s; client B: 1 token; one decode slot. "
-            f"Git revision {revision}.\n\n" + table(
+    body = ("Client A: 4000 tokens, hangs up after 0.5 s; client B: 1 token; one decode "
+            "slot.\n\n" + table(
                 ["mlx-lm", "B waits (stock)", "B waits (shim)", "queue wait removed",
                  "decode steps (stock)", "decode steps (shim)", "decode steps saved"], rows))
     figure.write(results, body)

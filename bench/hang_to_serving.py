@@ -55,6 +55,7 @@ import psutil
 import requests
 
 from bench.common import quiet
+from bench.timeline import LEAD_S, Traffic
 from bench.common import (
     FAULTS_DIR,
     Figure,
@@ -83,6 +84,17 @@ SATURATE = ("--decode-concurrency", "1", "--prompt-concurrency", "1")
 # timeoutSeconds, failureThreshold), and its default termination grace.
 NAIVE_PERIOD_S, NAIVE_TIMEOUT_S, NAIVE_FAILURES, NAIVE_GRACE_S = 10.0, 1.0, 3, 30.0
 LOAD_S = 180.0
+AFTER_SERVING_S = 5.0  # traffic kept after serving again, for the timeline
+
+
+def traffic_timeline(traffic: Optional[Traffic], hang_at: float, serving_at: Optional[float],
+                     events) -> Optional[dict]:
+    """Keep the traffic a few seconds past serving again, stop it; its timeline."""
+    if traffic is None:
+        return None
+    time.sleep(max(0.0, (serving_at or time.time()) + AFTER_SERVING_S - time.time()))
+    traffic.stop()
+    return traffic.timeline(hang_at, events)
 
 
 def fault_env(arm: Path) -> dict:
@@ -205,15 +217,24 @@ def ours_batch(fig: Figure, model: Path, work: Path, hangs: int, batch: int,
             if healthy is None:
                 raise RuntimeError(f"not healthy again:\n{sup.out.text()[-3000:]}")
             track_children(sup, seen)
+            # The first hang carries steady client traffic, for the timeline plot.
+            traffic = Traffic(url).start() if i == 0 else None
+            if traffic is not None:
+                time.sleep(LEAD_S)
             # A random moment of the 5 s probe cycle.
             time.sleep(random.uniform(0, defaults.PROBE_INTERVAL_S))
             start = len(sup.out.lines)
             hang_at = hang_now(url, arm, sup.out, start)
             if hang_at is None:
+                if traffic is not None:
+                    traffic.stop()
                 records.append({"hang_at": None})
                 continue
             serving_at = wait_serving(url, hang_at + 120)
             restart = wait_event(sup.out, lambda e: e.get("event") == "restart", start, 30)
+            timeline = traffic_timeline(traffic, hang_at, serving_at, [
+                (restart[1] if restart else None, "restart decided"),
+                (serving_at, "serving again")])
             record = {
                 "hang_at": hang_at,
                 "supervisor": batch,
@@ -222,6 +243,8 @@ def ours_batch(fig: Figure, model: Path, work: Path, hangs: int, batch: int,
                 "reason": restart[2].get("message") if restart else None,
                 "hang_to_serving_s": (serving_at - hang_at) if serving_at else None,
             }
+            if timeline:
+                record["timeline"] = timeline
             records.append(record)
             fig.log(f"  ours #{i + 1}: restart {fmt(record['hang_to_restart_s'], ' s', 1)} "
                     f"({record['cause']}), serving again "
@@ -317,11 +340,14 @@ def naive_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
         prober = NaiveProber(url, restart=sup.restart).start()
         try:
             for i in range(hangs):
-                time.sleep(random.uniform(0, NAIVE_PERIOD_S))
+                traffic = Traffic(url).start() if i == 0 else None  # for the timeline plot
+                time.sleep(random.uniform(0, NAIVE_PERIOD_S) + (LEAD_S if traffic else 0.0))
                 server = sup.server
                 decided = len(prober.decisions)
                 hang_at = hang_now(url, arm, server.out, len(server.out.lines))
                 if hang_at is None:
+                    if traffic is not None:
+                        traffic.stop()
                     records.append({"hang_at": None})
                     continue
                 serving_at = wait_serving(url, hang_at + 180)
@@ -331,6 +357,10 @@ def naive_hangs(fig: Figure, model: Path, work: Path, hangs: int) -> dict:
                     "hang_to_restart_s": (decision - hang_at) if decision else None,
                     "hang_to_serving_s": (serving_at - hang_at) if serving_at else None,
                 }
+                timeline = traffic_timeline(traffic, hang_at, serving_at, [
+                    (decision, "restart decided"), (serving_at, "serving again")])
+                if timeline:
+                    record["timeline"] = timeline
                 records.append(record)
                 fig.log(f"  naive #{i + 1}: restart {fmt(record['hang_to_restart_s'], ' s', 1)}, "
                         f"serving again {fmt(record['hang_to_serving_s'], ' s', 1)}")
@@ -498,7 +528,17 @@ def main() -> int:
         f"`--decode-concurrency 1 --prompt-concurrency 1`, {sat['requests']} requests of "
         f"{sat['max_tokens']} tokens queued at once (one such request alone decodes at "
         f"{sat['decode_rate_tok_s']:.0f} tokens/s); tiny random llama, CPU.")
+    arms = {label: next((r["timeline"] for r in run["hangs"] if r.get("timeline")), None)
+            for label, run in (("naive prober, stock server", naive),
+                               ("shim + mlx-watchdog supervise", ours))}
+    timelines = {} if None in arms.values() else {"hang": {
+        "title": f"a hung generation loop, mlx-lm {VERSION}: requests answered per second",
+        "zero": "hang", "arms": arms}}
+    body += (" Plot: the first hang of each watcher under steady traffic (bench/timeline.py: "
+             f"2 clients, one 4-token completion after another, 10 s read timeout, from "
+             f"{LEAD_S:g} s before the hang).")
     fig.write({"ours": ours, "naive": naive, "saturation": sat, "goal_s": GOAL_S,
+               "timelines": timelines,
                "naive_settings": {"period_s": NAIVE_PERIOD_S, "timeout_s": NAIVE_TIMEOUT_S,
                                   "failures": NAIVE_FAILURES, "grace_s": NAIVE_GRACE_S}},
               body, summary)

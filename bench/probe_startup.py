@@ -1,26 +1,22 @@
-"""Start-up cost of `mlx-watchdog probe`, lazy CLI vs the eager one it replaced.
+"""Figure 12: start-up cost of `mlx-watchdog probe`, lazy CLI vs the eager one it replaced.
 
-    <python> -m bench.probe_startup [--quick] [--runs N] [--results-dir DIR]
+    <main python> -m bench.probe_startup [--quick] [--runs N] [--results-dir DIR]
 
 Both arms run in the same run, interleaved, against a closed port (so the
 probe itself costs nothing and only start-up is measured):
 - lazy: `python -m mlx_watchdog probe` as it is now;
 - eager: the same, after importing every command module first, which is what
   the CLI did before (prometheus_client, installer, daemon modules).
-Writes probe_startup.json and .md, stamped with the git revision.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from bench.common import MAIN_VERSION, ROOT, noise_verdict, percentile, stamp, stamp_line
+from bench.common import Figure, noise_verdict, percentile, run_main, table
 
 PROBE = ["probe", "--url", "http://127.0.0.1:9", "--timeout", "1"]
 EAGER = ("import sys, mlx_watchdog.daemon_cli, mlx_watchdog.install.cli, "
@@ -36,49 +32,35 @@ def once(code: str) -> float:
     return time.perf_counter() - began
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=None, help="paired runs [default: 15; 8 with --quick]")
-    parser.add_argument("--quick", action="store_true", help="fewer runs (bench/run_all's default)")
-    parser.add_argument("--results-dir", type=Path, default=ROOT / "bench" / "results")
-    args = parser.parse_args()
-    if args.runs is None:
-        args.runs = 8 if args.quick else 15
+def main() -> int:
+    fig = Figure("probe_startup", "Figure 12: `mlx-watchdog probe` start-up", __doc__,
+                 add_arguments=lambda p: p.add_argument(
+                     "--runs", type=int, default=None,
+                     help="paired runs [default: 15; 8 with --quick]"))
+    runs = fig.args.runs or (8 if fig.quick else 15)
     once(LAZY), once(EAGER)  # warm the file cache
     lazy, eager = [], []
-    for _ in range(args.runs):
+    for _ in range(runs):
         lazy.append(once(LAZY))
         eager.append(once(EAGER))
-    figure_stamp = stamp("bench.probe_startup", sys.argv[1:], versions=(MAIN_VERSION,))
     # The noise: the larger interquartile range of the two arms. A difference
     # of medians inside it is no result.
     noise = max(percentile(lazy, 75) - percentile(lazy, 25),
                 percentile(eager, 75) - percentile(eager, 25))
     difference = statistics.median(eager) - statistics.median(lazy)
-    result = {
-        **figure_stamp, "runs": args.runs, "python": sys.version.split()[0],
-        "noise_s": noise,
-        "verdict": noise_verdict(difference, noise, f"lazy is {difference * 1000:.0f} ms faster"),
-        "lazy_median_s": statistics.median(lazy), "eager_median_s": statistics.median(eager),
-        "ratio_lazy_to_eager": statistics.median(lazy) / statistics.median(eager),
-        "lazy_s": lazy, "eager_s": eager,
-    }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    (args.results_dir / "probe_startup.json").write_text(
-        json.dumps(result, indent=1, default=str) + "\n")
-    md = (
-        "## `mlx-watchdog probe` start-up\n\n"
-        "| CLI | median wall time (s) | ratio |\n|---|---|---|\n"
-        f"| eager (every command module imported, as before) | {result['eager_median_s']:.3f} | 1.00 |\n"
-        f"| lazy (now) | {result['lazy_median_s']:.3f} | {result['ratio_lazy_to_eager']:.2f} |\n\n"
-        f"Verdict: {result['verdict']} (noise: the larger interquartile range, "
-        f"{noise * 1000:.0f} ms).\n\n"
-        f"_{args.runs} interleaved runs each, probe to a closed port; "
-        f"{stamp_line(figure_stamp)}._\n"
-    )
-    (args.results_dir / "probe_startup.md").write_text(md)
-    print(md)
+    verdict = noise_verdict(difference, noise, f"lazy is {difference * 1000:.0f} ms faster")
+    lazy_s, eager_s = statistics.median(lazy), statistics.median(eager)
+    results = {"runs": runs, "python": sys.version.split()[0], "noise_s": noise,
+               "verdict": verdict, "lazy_median_s": lazy_s, "eager_median_s": eager_s,
+               "ratio_lazy_to_eager": lazy_s / eager_s, "lazy_s": lazy, "eager_s": eager}
+    body = table(["CLI", "median wall time (s)", "ratio"], [
+        ["eager (every command module imported, as before)", f"{eager_s:.3f}", "1.00"],
+        ["lazy (now)", f"{lazy_s:.3f}", f"{lazy_s / eager_s:.2f}"]])
+    body += (f"\n\nVerdict: {verdict} (noise: the larger interquartile range, "
+             f"{noise * 1000:.0f} ms). {runs} interleaved runs each, probe to a closed port.")
+    fig.write(results, body, {"verdict": verdict, "ratio_lazy_to_eager": lazy_s / eager_s})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -57,13 +57,15 @@ from bench.hang_to_serving import (
     wait_event,
     wait_serving,
 )
-from bench.procs import TimedProcess
+from bench.procs import TimedProcess, TimedServer
+from bench.timeline import LEAD_S, Traffic
 from harness.procs import chat
 from harness.server import base_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_LINE = re.compile(r"mlx-test-fault: (\w+) at (\w+) t=([0-9.]+)")
 STALL_S = "10"
+AFTER_SERVING_S = 5.0  # traffic kept after serving again, for the timeline
 
 
 def git(*args: str) -> str:
@@ -104,12 +106,16 @@ def one_run(fig: Figure, scenario: str, side: str, model: Path, work: Path,
         arm.touch()
     sup = supervise(work, f"{scenario}-{side}-{n}", port, model, env, baseline)
     seen: set = set()
+    traffic = None
     try:
         if scenario == "livelock":
             if wait_serving(url, time.time() + LOAD_S) is None:
                 raise RuntimeError(f"never served:\n{sup.out.text()[-3000:]}")
             if wait_event(sup.out, lambda e: e.get("state") == "healthy", 0, 120) is None:
                 raise RuntimeError(f"never healthy:\n{sup.out.text()[-3000:]}")
+            if n == 0:  # the first livelock of each side carries traffic, for the plot
+                traffic = Traffic(url).start()
+                time.sleep(LEAD_S)
             arm.touch()
             threading.Thread(target=_quiet_chat, args=(url,), daemon=True).start()
         hit = sup.out.wait_line(FAULT_LINE, LOAD_S)
@@ -128,12 +134,51 @@ def one_run(fig: Figure, scenario: str, side: str, model: Path, work: Path,
             "fault_to_serving_s": (serving_at - fault_at) if serving_at else None,
             "cap_s": cap_s,
         }
+        if traffic is not None:
+            time.sleep(max(0.0, (serving_at or time.time()) + AFTER_SERVING_S - time.time()))
+            traffic.stop()
+            record["timeline"] = traffic.timeline(fault_at, [
+                (restart[1] if restart else None, "restart decided"),
+                (serving_at, "serving again")])
         fig.log(f"  {scenario} / {side} #{n}: restart "
                 f"{fmt(record['fault_to_restart_s'], ' s', 1)} ({record['cause']}), serving "
                 f"{fmt(record['fault_to_serving_s'], ' s', 1) if serving_at else f'> {cap_s:g} s'}")
         return record
     finally:
+        if traffic is not None:
+            traffic.stop()
         sup.stop()
+
+
+def stock_livelock(fig: Figure, model: Path, work: Path, window_s: float) -> dict:
+    """A stock server (no shim, no watchdog) in the same livelock, under the same
+    traffic, watched for window_s: the plot's baseline."""
+    arm = work / "arm-livelock-stock"
+    env = {"PYTHONPATH": str(FAULTS_DIR), "MLX_TEST_FAULT": "livelock:batch",
+           "MLX_TEST_FAULT_ARM_FILE": str(arm)}
+    server = TimedServer("0.32.2", model, work, shim=False, env=env).start()
+    traffic = None
+    try:
+        server.wait_listening(LOAD_S)
+        if wait_serving(server.url, time.time() + LOAD_S) is None:
+            raise RuntimeError(f"the stock server never served:\n{server.log()[-3000:]}")
+        traffic = Traffic(server.url).start()
+        time.sleep(LEAD_S)
+        arm.touch()
+        threading.Thread(target=_quiet_chat, args=(server.url,), daemon=True).start()
+        hit = server.out.wait_line(FAULT_LINE, 120)
+        if hit is None:
+            raise RuntimeError(f"the fault never struck:\n{server.log()[-3000:]}")
+        fault_at = float(hit[2].group(3))
+        time.sleep(max(0.0, fault_at + window_s - time.time()))
+        traffic.stop()
+        fig.log(f"  livelock / stock: watched {window_s:g} s")
+        return {"fault_at": fault_at, "window_s": window_s,
+                "timeline": traffic.timeline(fault_at)}
+    finally:
+        if traffic is not None:
+            traffic.stop()
+        server.stop()
 
 
 def _quiet_chat(url: str) -> None:
@@ -168,6 +213,15 @@ def main() -> int:
                     fig, scenario, side, model, work, None if side == "this" else baseline,
                     cap[scenario], n))
 
+    stock = stock_livelock(fig, model, work, 30.0 if fig.quick else 60.0)
+    arms = {"stock": stock["timeline"]}
+    for side, label in (("today", f"today ({base_short})"), ("this", "this revision")):
+        arms[label] = next((r["timeline"] for r in results["livelock"][side]
+                            if r.get("timeline")), None)
+    timelines = {} if None in arms.values() else {"livelock": {
+        "title": "a livelocked generation loop, mlx-lm 0.32.2: requests answered per second",
+        "zero": "livelock", "arms": arms}}
+
     rows, summary = [], {}
     for scenario, sides in results.items():
         for side, label in (("this", f"this revision ({head}{'+dirty' if dirty else ''})"),
@@ -193,9 +247,13 @@ def main() -> int:
              f"`MLX_HOTFIX_STALL_TIMEOUT={STALL_S}`. Hang at boot: `MLX_TEST_FAULT=hang:prefill` "
              "armed before start-up; the watchdog's first probe strikes it. Both: "
              "`mlx-watchdog supervise` defaults on stock mlx-lm 0.32.2, tiny random llama, CPU. "
-             f"Today = watchdog and shim of {base_short} (git archive), same run.")
+             f"Today = watchdog and shim of {base_short} (git archive), same run. Plot: the "
+             "first livelock of each side, and a stock server (no shim, no watchdog) in the "
+             f"same livelock watched for {stock['window_s']:g} s, under steady traffic "
+             "(bench/timeline.py: 2 clients, one 4-token completion after another, 10 s read "
+             f"timeout, from {LEAD_S:g} s before the livelock).")
     fig.write({"results": results, "revision": head, "dirty": dirty, "baseline": base_rev,
-               "caps_s": cap}, body, summary)
+               "caps_s": cap, "stock": stock, "timelines": timelines}, body, summary)
     return 0
 
 

@@ -10,7 +10,9 @@ Fed by the patch:
     loop_iteration()                       each pass of the generation loop
     model_load()                           context manager around a model load
     request_started() / request_finished() a client's request is waiting / done
-    delivered("prompt" | "token")          one item put on a response queue
+    loop_put(TOKEN | PROMPT | None)        one item put on a response queue (a loop
+                                           turn and, with a kind, a delivery)
+    delivered("prompt" | "token")          a delivery alone
     cancelled()                            a request was cancelled
     stop()                                 the generation thread died
 
@@ -36,6 +38,11 @@ import time
 from . import config, memory
 from ._files import write_atomically
 
+# Bound once: the per-token path (loop_put, loop_iteration) reads no module
+# attribute it can avoid.
+_monotonic = time.monotonic
+_get_ident = threading.get_ident
+
 LOADING, SERVING, STALLED = "loading", "serving", "stalled"
 
 _started = time.time()  # the shim's start in this process (first import of mlx_lm)
@@ -46,8 +53,10 @@ _loading = False  # a model load is running on the generation thread
 _stopped = False
 _beats = 0
 _next_write = 0.0
+_next_ping = 0.0  # monotonic; when the loop next offers systemd a WATCHDOG=1
 _notifier = None
 _keeper = None
+_keeper_wake = threading.Event()  # set by resume(): the old keeper ends now, not a tick later
 _epoch = 0  # one per generation loop; a recovery starts the next
 _write_lock = threading.Lock()  # the loop and the keeper share the temp file
 _count_lock = threading.Lock()  # request threads start and finish requests
@@ -60,8 +69,7 @@ _prompt_tokens = 0
 _decode_tokens = 0
 _requests = 0
 _cancelled = 0
-_last_delivery = None  # unix time of the last delivery
-_last_delivery_mono = None
+_last_delivery_mono = None  # the last delivery (the record gives it as unix time)
 _progress_mono = time.monotonic()  # last delivery, first request in flight, load end
 _beat_mono = time.monotonic()  # last loop turn
 _stalled = False
@@ -126,7 +134,7 @@ def record(phase):
         "phase": phase,
         "in_flight": _in_flight,
         "delivered": _delivered,
-        "last_delivery": _last_delivery,
+        "last_delivery": _unix_time(_last_delivery_mono),
         "prompt_tokens": _prompt_tokens,
         "decode_tokens": _decode_tokens,
         "requests": _requests,
@@ -140,6 +148,12 @@ def record(phase):
     data["memory"] = memory.fields(trim_point=on_generation_thread() and not _stopped)
     _add_fields(data)
     return data
+
+
+def _unix_time(mono):
+    """The unix time of monotonic time mono (None stays None): the loop keeps one
+    clock per token, the record converts when it is written."""
+    return None if mono is None else time.time() - (time.monotonic() - mono)
 
 
 _field_sources = []  # other parts' fields for the record and /health (admission's counts)
@@ -368,41 +382,82 @@ class model_load:
 
 def loop_iteration():
     """One pass of the generation loop: cheap, called very often."""
-    global _beats, _loop_running, _next_write, _beat_mono, _progress_mono
+    global _beats, _beat_mono
     if _stopped:
         return
     _beats += 1
-    now = time.monotonic()
+    _beat_mono = now = _monotonic()
+    if now >= _next_write or now >= _next_ping or not _loop_running:
+        _turn_work(now)
+
+
+def loop_put(kind, counted=True):
+    """An item put on a response queue: kind TOKEN (a generated token), PROMPT
+    (a prompt progress report) or None (a context, an end, an error). From the
+    generation thread it is a loop turn (a long single-request stream turns no
+    other hook), and a delivery when kind is set (counted=False: a watchdog's
+    probe, progress but not throughput); from any other thread (a client
+    queueing its request) it is nothing. The per-token path: one clock
+    read and a few counters, the rest once per interval (``_turn_work``)."""
+    global _beats, _beat_mono
+    if _get_ident() != _generation_ident:
+        return
+    now = _monotonic()
+    if kind is not None:
+        _count_delivery(kind, now, counted)
+    if _stopped:
+        return
+    # loop_iteration()'s body, with the clock already read (one call less per token)
+    _beats += 1
     _beat_mono = now
-    notifier = _notifier if _notifier is not None else _systemd()
-    notifier = notifier or None
+    if now >= _next_write or now >= _next_ping or not _loop_running:
+        _turn_work(now)
+
+
+def _turn_work(now):
+    """What a loop turn does at most once per interval: READY=1 on the first
+    turn, WATCHDOG=1 (a few times per systemd's ping interval), the stall
+    decision and the heartbeat file."""
+    global _loop_running, _next_write, _next_ping, _progress_mono
+    notifier = _systemd()
     if not _loop_running:
         _progress_mono = now
         _loop_running = True
         if notifier is not None and listening():
             notifier.ready("serving")
-    if notifier is not None and not _stalled:
-        notifier.watchdog_ping()  # rate-limited inside
+    if now >= _next_ping:
+        if notifier is None:
+            _next_ping = float("inf")
+        else:
+            if not _stalled:
+                notifier.watchdog_ping()  # rate-limited inside
+            # A quarter of the ping interval: a ping is late by at most that.
+            _next_ping = now + notifier.min_interval / 4
     if now >= _next_write:
         _next_write = now + config.current().heartbeat_interval
         _check_stall(now)
         _beat_file(phase())
 
 
+TOKEN, PROMPT = "token", "prompt"
+
+
 def delivered(kind, counted=True):
     """One item for a client left the generation thread: "prompt" (a prompt
     progress report) or "token" (a generated token). counted=False (a
     watchdog's probe): progress all the same, but not throughput."""
-    global _delivered, _prompt_tokens, _decode_tokens, _last_delivery
+    _count_delivery(kind, _monotonic(), counted)
+
+
+def _count_delivery(kind, now, counted):
+    global _delivered, _prompt_tokens, _decode_tokens
     global _last_delivery_mono, _progress_mono
-    now = time.monotonic()
     if counted:
         _delivered += 1
-        if kind == "token":
+        if kind == TOKEN:
             _decode_tokens += 1
         else:
             _prompt_tokens += 1
-    _last_delivery = time.time()
     _last_delivery_mono = _progress_mono = now
     if _stalled:
         _check_stall(now)
@@ -452,16 +507,16 @@ def _start_keeper():
     global _keeper
     if _keeper is not None:
         return
-    _keeper = threading.Thread(target=_keep, args=(_epoch,), name="mlx-hotfix-heartbeat",
+    _keeper = threading.Thread(target=_keep, args=(_epoch, _keeper_wake), name="mlx-hotfix-heartbeat",
                                daemon=True)
     _keeper.start()
 
 
-def _keep(epoch):
+def _keep(epoch, wake):
     settings = config.current()
     tick = min(settings.heartbeat_interval, 1.0)
     while not _stopped and epoch == _epoch:
-        time.sleep(tick)
+        wake.wait(tick)
         if _stopped or epoch != _epoch:
             return
         try:
@@ -534,10 +589,12 @@ def resume():
     Until the fresh loop's first pass (which sends READY=1 again), the
     recover part calls ``stand_in()`` so the heartbeat and systemd keep going.
     """
-    global _generation_ident, _loop_running, _stopped, _stalled, _keeper, _epoch
+    global _generation_ident, _loop_running, _stopped, _stalled, _keeper, _epoch, _keeper_wake
     global _progress_mono, _beat_mono
     _epoch += 1  # the old keeper ends; the fresh loop starts its own
     _keeper = None
+    _keeper_wake.set()
+    _keeper_wake = threading.Event()
     _generation_ident = None  # the dead thread's late calls are not progress
     _loop_running = False
     _stalled = False

@@ -217,6 +217,8 @@ def _get_watcher():
 
 
 def _make_hangup_queue(base):
+    base_get = base.get  # bound here: get runs once per token
+
     class _HangupQueue(base):
         """A response queue that a hung-up client's watcher can wake."""
 
@@ -231,7 +233,7 @@ def _make_hangup_queue(base):
                 self._mlx_hotfix_waiting = waiting
 
         def get(self, block=True, timeout=None):
-            item = super().get(block, timeout)
+            item = base_get(self, block, timeout)
             if item is _HUNG_UP:
                 super().put(item)  # any later reader refuses too
                 raise ClientGone()

@@ -162,10 +162,14 @@ class Lifeline:
         deadline = self.died_at + settings.exit_grace
         # Let the stock handler (excepthook or logging) print the traceback.
         thread = getattr(generator, "_generation_thread", None)
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-        where = " during start-up (model load)" if during_startup else ""
         recovery = self.recovery if can_recover else None
+        if thread is not None and thread is not threading.current_thread():
+            timeout = max(0.0, deadline - time.monotonic())
+            if recovery is not None:  # its loop thread parks after a death, it does not end
+                recovery.wait_loop_ended(thread, timeout)
+            else:
+                thread.join(timeout)
+        where = " during start-up (model load)" if during_startup else ""
         plan = recovery.plan(exc, during_startup) if recovery is not None else None
         log.say(
             "generation thread died%s: %s: %s; %s"
@@ -181,11 +185,17 @@ class Lifeline:
             if pairing:
                 extra["pairing_warning"] = pairing
             reports.write_report("died", exc=exc, extra=extra)  # within the grace; never raises
+        # A recovery does not wait for the answers: each waiting client is
+        # answered on its own thread from its sentinel, and the process stays.
+        # (Waiting would cost the whole grace whenever a client keeps an idle
+        # connection open.) Only an exit must not cut a client off.
+        if plan is not None:
+            if recovery.recover(generator, exc):
+                return True
+            deadline = time.monotonic() + settings.exit_grace  # it failed: answer, then exit
         unanswered = self._wait_for_answers(deadline)
         if unanswered:
             log.say("%d client(s) not answered within the grace" % unanswered)
-        if plan is not None and recovery.recover(generator, exc):
-            return True
         heartbeat.notify_stopping("generation thread died; exiting")
         _flush_output()
         os._exit(settings.exit_code)
@@ -236,10 +246,10 @@ class Lifeline:
         os.kill(os.getpid(), signum)  # its default action again (on_sigterm reset it)
 
     def revive(self):
-        """A fresh generation loop serves again (the recover part): accept requests."""
+        """A fresh generation loop serves again (the recover part): accept requests.
+        The cause stays: a client of the dead loop may still be answering."""
         with self._lock:
             self._queues = weakref.WeakSet()  # the dead loop's, each holding a sentinel
-            self.cause = None
             self.died_at = None
             self.dead = False
 
@@ -317,6 +327,8 @@ def error_message():
 
 
 def _make_watched_queue(base):
+    base_get = base.get  # bound here: get runs once per token
+
     class _WatchedQueue(base):
         """A Queue that wakes its reader with GenerationThreadDied at death."""
 
@@ -325,7 +337,7 @@ def _make_watched_queue(base):
             lifeline.watch_queue(self)
 
         def get(self, block=True, timeout=None):
-            item = super().get(block, timeout)
+            item = base_get(self, block, timeout)
             if item is _SENTINEL:
                 super().put(item)  # any later reader refuses too
                 raise GenerationThreadDied(error_message())

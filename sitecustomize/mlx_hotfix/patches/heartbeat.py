@@ -109,8 +109,15 @@ def _until_done(stream, request):
 
 
 def _make_delivery_queue(base, response_class):
+    # Bound here, not looked up per call: this put runs once per token.
+    base_put = base.put
+    loop_put = heartbeat.loop_put
+    token, prompt = heartbeat.TOKEN, heartbeat.PROMPT
+
     class _DeliveryQueue(base):
         """Counts what the generation thread puts for clients."""
+
+        _mlx_hotfix_probe = False  # also for a queue made without __init__ (recover's)
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -118,14 +125,15 @@ def _make_delivery_queue(base, response_class):
             self._mlx_hotfix_probe = getattr(_local, "probe", False)
 
         def put(self, item, block=True, timeout=None):
-            if heartbeat.on_generation_thread():
-                counted = not getattr(self, "_mlx_hotfix_probe", False)
-                if isinstance(item, response_class):
-                    heartbeat.delivered("token", counted)
-                elif isinstance(item, tuple):
-                    heartbeat.delivered("prompt", counted)
-                heartbeat.loop_iteration()  # a long single-request stream turns no loop
-            super().put(item, block, timeout)
+            # A Response is a generated token, a tuple a prompt progress report;
+            # loop_put ignores every thread but the generation thread.
+            if isinstance(item, response_class):
+                loop_put(token, not self._mlx_hotfix_probe)
+            elif isinstance(item, tuple):
+                loop_put(prompt, not self._mlx_hotfix_probe)
+            else:
+                loop_put(None)
+            base_put(self, item, block, timeout)
 
     _DeliveryQueue.__name__ = base.__name__
     _DeliveryQueue.__qualname__ = base.__qualname__
@@ -142,9 +150,16 @@ def _wrap_generate_loop(original):
 
 
 def _wrap_loop_turn(original):
-    def turn(self, *args, **kwargs):
-        heartbeat.loop_iteration()
-        return original(self, *args, **kwargs)
+    loop_iteration = heartbeat.loop_iteration  # once per decode step: no lookup per call
+
+    if original.__name__ == "__next__":  # TimeBudget's: no arguments to pass on
+        def turn(self):
+            loop_iteration()
+            return original(self)
+    else:
+        def turn(self, *args, **kwargs):
+            loop_iteration()
+            return original(self, *args, **kwargs)
 
     return _wrap(original, turn, NAME)
 

@@ -10,12 +10,14 @@ extract_cache); the model weights are untouched and can be reused.
 
 How (the exit part's Lifeline asks this part's policy, see exit_on_death.py):
 1. the exit part answers every waiting client as always (503 JSON or an SSE
-   error event); the dying request is not retried;
+   error event), each on its own thread, while the recovery goes on (it does
+   not wait for them); the dying request is not retried;
 2. a crash report of kind "recovered" is written when mlx_hotfix.reports
    exists (the crash-report part);
 3. what the dead loop held is dropped: its frames (batch, caches) through the
    exception's traceback, and the prompt cache, which may hold a half-written
-   entry; then gc and mx.clear_cache();
+   entry (and whose lazy arrays, on mlx 0.32, belong to the dead thread's
+   stream); then gc and mx.clear_cache();
 4. a fresh thread runs the stock loop again on the same ResponseGenerator. The
    loop's ``load_default()`` finds the model key unchanged and loads nothing.
    On 0.32.x stock's ``_generation_failed`` is reset;
@@ -104,6 +106,17 @@ class Recovery:
         return "recovering in place (%d of at most %d in %g s)" % (
             len(self._times), self._limit, self._window)
 
+    def wait_loop_ended(self, thread, timeout):
+        """Until the dead loop on thread has finished (its traceback printed), at
+        most timeout seconds; whether it has. Stock's thread ends; the thread
+        this part runs fresh loops on parks instead (a join would wait the
+        whole timeout)."""
+        worker = self._worker
+        if worker is not None and thread is worker.thread:
+            return worker.parked.wait(timeout)
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def recover(self, generator, exc):
         try:
             self._recover(generator, exc)
@@ -120,17 +133,16 @@ class Recovery:
 
     # -- the steps ---------------------------------------------------------------
     def _recover(self, generator, exc):
+        died_at = exit_on_death.lifeline.died_at
+        steps = []
         dead = getattr(generator, "_generation_thread", None)
-        worker = self._worker
-        if worker is not None and dead is worker.thread:
-            if not worker.parked.wait(_JOIN_S):
-                raise RuntimeError("the dead generation loop did not finish")
-        elif dead is not None:
-            dead.join(_JOIN_S)
-            if dead.is_alive():
-                raise RuntimeError("the dead generation thread did not finish")
+        if dead is not None and not self.wait_loop_ended(dead, _JOIN_S):
+            raise RuntimeError("the dead generation loop did not finish")
+        steps.append(("loop ended", time.monotonic()))
         _write_report(exc, self.recovered + 1)
+        steps.append(("reported", time.monotonic()))
         self._drop_state(generator, exc)
+        steps.append(("state dropped", time.monotonic()))
         del exc
         thread = self._start_loop(generator)
         deadline = time.monotonic() + _LOOP_START_S
@@ -140,8 +152,12 @@ class Recovery:
             if time.monotonic() > deadline:
                 raise RuntimeError("the fresh generation loop did not start")
             time.sleep(0.02)
+        steps.append(("loop running", time.monotonic()))
         exit_on_death.lifeline.revive()
         heartbeat.serving_again()  # last: /health says 200 only once requests are taken
+        if died_at is not None:  # where a recovery's time goes (MLX_HOTFIX_DEBUG=1)
+            log.debug("recovery steps, seconds after the death: " + ", ".join(
+                "%s %.3f" % (name, at - died_at) for name, at in steps))
 
     def _drop_state(self, generator, exc):
         import gc
@@ -151,6 +167,11 @@ class Recovery:
         traceback.clear_frames(exc.__traceback__)
         exc.__traceback__ = None
         exc.__context__ = exc.__cause__ = None
+        # The prompt cache goes too: an entry may be half written, and on mlx
+        # 0.32 its entries are lazy arrays on the dead thread's stream, which
+        # no other thread can evaluate ("There is no Stream(cpu, 0) in current
+        # thread"). So the first request after a recovery prefills its whole
+        # prompt, as after a restart.
         old = generator.prompt_cache
         generator.prompt_cache = type(old)(
             getattr(old, "max_size", 10), getattr(old, "max_bytes", 1 << 63))
