@@ -204,6 +204,21 @@ def test_status_reads_stale_and_stopped_records():
     assert shown_state(dict(record, state=STOPPED), 9999.0, running=False) == STOPPED
 
 
+def test_a_stopped_or_stale_row_shows_no_live_counts():
+    """The decode rate and request counts of a server no one watches now are
+    not current: a stopped or stale row shows none."""
+    server = {"decode_tok_s": 34.7, "running": 7, "queued": 0}
+    record = {"state": "healthy", "since": 900.0, "updated": 990.0, "interval_s": 5.0,
+              "restarts": 0, "server": server, "daemon_pid": 1}
+    live = format_status({"instances": {"a": record}}, now=1000.0, pid_alive=lambda pid: True)
+    assert "34.7 tok/s, 7 running" in live
+    # Stopped (by its writer); then healthy, but its writer gone.
+    for shown, alive in ((dict(record, state="stopped"), True), (record, False)):
+        text = format_status({"instances": {"a": shown}}, now=1000.0,
+                             pid_alive=lambda pid, alive=alive: alive)
+        assert "tok/s" not in text and "7 running" not in text, text
+
+
 def test_format_status_is_a_fleet_table():
     data = {
         "instances": {

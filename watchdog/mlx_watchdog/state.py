@@ -327,7 +327,8 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
         restarts += f" ({restart.get('cause')} {_ago(now, restart.get('time'))}{failed})"
     server = record.get("server")
     decode = "-"
-    if isinstance(server, dict):
+    # A stopped or stale row's counts are from a server no one watches now.
+    if isinstance(server, dict) and state not in (STOPPED, STALE):
         rate = server.get("decode_tok_s")
         if isinstance(rate, (int, float)):
             decode = f"{rate:.1f} tok/s"
