@@ -134,6 +134,36 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_then_dies_of_it(
     assert "8 request(s) finished, 0 cut" in over and "1 new one(s) refused" in over, over
 
 
+def test_a_drain_on_its_own_port_answers_503_while_requests_keep_coming(
+        servers, tiny_llama, tmp_path):
+    """No held socket (this server binds its port): with its work done, the
+    draining server keeps the port open, /health 503 "draining" and new
+    requests 503, while new requests keep coming, so a load balancer takes it
+    out before the port closes (closing at once reset what HAProxy had sent
+    meanwhile: 502 for its clients, tests/test_haproxy_rolling.py). Without
+    the quiet period the process is gone ~0.1 s after the signal, nothing in
+    flight: the first of these requests meets a closed port."""
+    server = servers(VERSIONS[-1], tiny_llama, env=_env(
+        tmp_path, MLX_HOTFIX_DRAIN_TIMEOUT="600", MLX_HOTFIX_DRAIN_QUIET="600"))
+    server.warm_up()
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    while not _hotfix(server, "draining:"):
+        assert time.monotonic() < deadline and server.alive(), server.log()[-3000:]
+        time.sleep(0.05)
+    for _ in range(5):
+        health = requests.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        late = server.chat("a new request", max_tokens=2)
+        assert late.status_code == 503 and "restarting" in late.json()["error"]["message"]
+        assert int(late.headers["Retry-After"]) >= 1
+    assert server.alive() and not _hotfix(server, "drain over"), server.log()[-3000:]
+    (line,) = _hotfix(server, "draining:")
+    assert "until no new one came for 600s" in line, line
+    server.proc.send_signal(signal.SIGTERM)  # a second one stops at once, as always
+    assert server.wait_exit(60) == -signal.SIGTERM, server.log()[-3000:]
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_a_drain_timeout_shorter_than_the_work_answers_the_rest(
         servers, tiny_llama, tmp_path, version):
