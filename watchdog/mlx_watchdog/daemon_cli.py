@@ -27,7 +27,8 @@ from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     probe_command,
 )
 from .redact import printable, secret
-from .state import StateStore, default_state_path, format_status, known_state_files, read_state
+from .state import (StateStore, default_state_path, format_status, known_state_files,
+                    read_states)
 
 
 def _state_file_option(f: Callable) -> Callable:
@@ -391,14 +392,7 @@ def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: boo
                 click.echo(f"forgot {printable(name)} ({path})", err=True)
     instances: dict = {}
     found = []
-    for path in paths:
-        try:
-            data = read_state(path)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as exc:
-            click.echo(f"cannot read {path}: {exc}", err=True)
-            continue
+    for path, data in read_states(paths):
         found.append(path)
         for name, record in data["instances"].items():
             key = name if name not in instances else f"{name} ({path})"

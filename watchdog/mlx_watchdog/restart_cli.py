@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import click
 
 from .probe_cli import _SECONDS
-from .state import known_state_files, read_state
+from .state import known_state_files, read_state, read_states
 
 CLAIM_WAIT_S = 10.0  # a running daemon takes a request within half a second
 
@@ -57,14 +57,8 @@ def _state_file_of(name: str) -> Path:
     several, the one whose daemon runs; two running ones: ask for --state-file."""
     paths = known_state_files()
     having, known = [], set()
-    for path in paths:
-        try:
-            instances = read_state(path)["instances"]
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as exc:
-            click.echo(f"cannot read {path}: {exc}", err=True)
-            continue
+    for path, data in read_states(paths):
+        instances = data["instances"]
         known.update(instances)
         if isinstance(instances.get(name), dict):
             having.append((path, instances[name]))

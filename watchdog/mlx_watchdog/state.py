@@ -61,6 +61,20 @@ def known_state_files() -> "list[Path]":
     return list(dict.fromkeys(paths))
 
 
+def read_states(paths: "list[Path]") -> "list[Tuple[Path, Dict[str, Any]]]":
+    """(path, its data) for each of paths that exists; one that cannot be
+    read is named on stderr and skipped (status and restart read them so)."""
+    found = []
+    for path in paths:
+        try:
+            found.append((path, read_state(path)))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            click.echo(f"cannot read {path}: {exc}", err=True)
+    return found
+
+
 class StateStore:
     """Per-instance records, written to path (None: kept in memory only).
 
