@@ -25,9 +25,9 @@ How, from the first SIGTERM (the ``exit`` part's signal handler hands it here):
   at once would reset the connections the balancer sent meanwhile, in the
   kernel's backlog (HAProxy answers its client 502). No wait on a held socket.
 - The drain ends when nothing is left (and the port is quiet), at
-  MLX_HOTFIX_DRAIN_TIMEOUT (25 s), or at once when it cannot progress: the generation loop stalled (the
-  heartbeat says so), or nothing delivered for NO_PROGRESS_S while requests
-  wait, or the generation thread gone. Then the exit part's stop answers what
+  MLX_HOTFIX_DRAIN_TIMEOUT (25 s), or at once when it cannot progress: the
+  generation loop stalled (the heartbeat says so), or nothing delivered for
+  NO_PROGRESS_S while requests wait, or the generation thread gone. Then the exit part's stop answers what
   is left (503 JSON, or a final SSE error event) and the process dies of the
   signal, as before.
 - A second SIGTERM, a SIGINT, MLX_HOTFIX_DRAIN_TIMEOUT=0, or a process that
@@ -42,7 +42,8 @@ HTTP listener class; no upper version bound (fail-safe: it changes no
 result, only when the process goes). Off switch: MLX_HOTFIX_DISABLE=drain.
 
 Test: tests/test_shim_drain.py (8 requests through a drain on 0.31.3 and
-0.32.2, a drain timeout shorter than the work, a hung loop, SIGINT).
+0.32.2, the port kept open while requests keep coming, a drain timeout
+shorter than the work, a hung loop, SIGINT); tests/test_haproxy_rolling.py.
 """
 
 import threading
