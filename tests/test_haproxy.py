@@ -74,7 +74,7 @@ def test_shipped_config_is_valid_and_checks_health(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     text = CONFIG.read_text()
     for line in ("option httpchk GET /health", "http-check expect status 200",
-                 "option redispatch", "retries 3"):
+                 "option redispatch", "retries 3", "option http-buffer-request"):
         assert line in text
     assert len(re.findall(r"^\s*server \S+ \S+ check", text, re.M)) >= 2
     # The test's copy differs only in its addresses.

@@ -7,9 +7,12 @@ one only once HAProxy has it UP again. The README ("Running several Macs")
 gives the same procedure. Both ways a server may hold its port:
 
 - `--no-socket` (what the README advises behind a balancer): the draining
-  server answers /health 503 "draining" and new requests 503, which HAProxy
-  retries on the other server (`retry-on ... 503`), as it does the refused
-  connections while the server reloads;
+  server answers /health 503 "draining" and new requests 503 until HAProxy
+  has stopped sending to it (the drain's quiet period, MLX_HOTFIX_DRAIN_QUIET:
+  its port never closes under a request HAProxy sent), and HAProxy retries
+  those 503s on the other server (`retry-on ... 503`; `option
+  http-buffer-request`, so that it has each whole request to retry), as it
+  does the refused connections while the server reloads;
 - the held socket (supervise's default): the draining server takes no new
   connection; HAProxy's check times out, and what it sent meanwhile waits in
   the socket for the next server.

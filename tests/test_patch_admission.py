@@ -116,8 +116,12 @@ class _HealthWatcher:
 
 def _ask_and_hold(server, max_tokens=HUGE) -> socket.socket:
     """A non-streaming request whose client stays until the socket is closed."""
-    client = socket.create_connection(("127.0.0.1", server.port))
-    client.sendall(request_bytes(server.port, chat_body("a long story", max_tokens=max_tokens)))
+    return _ask_and_hold_at(server.port, max_tokens)
+
+
+def _ask_and_hold_at(port, max_tokens=HUGE) -> socket.socket:
+    client = socket.create_connection(("127.0.0.1", port))
+    client.sendall(request_bytes(port, chat_body("a long story", max_tokens=max_tokens)))
     return client
 
 
@@ -338,8 +342,12 @@ def test_the_watchdogs_probe_is_never_refused_nor_queued_behind_the_line(servers
     _assert_busy(plain.status_code, plain.headers, plain.json(), "queue_full")
     probe = BackgroundRequest(lambda: _post(server, chat_body("ping", max_tokens=1),
                                             headers=probe_headers), name="probe")
-    # The probe is in no count; it waits for the slot, not behind the two.
-    assert _health(server)["queued"] == 2
+    # The probe is in no count, and went past the line to stock: it waits
+    # there for the slot, not behind the two. (Only once it is there may the
+    # slot free: had the running one left first, the slot would rightly go
+    # to the first of the two, and the probe wait for its 100,000 tokens.)
+    _wait(lambda: _health(server)["in_flight"] == 2, "the probe to reach stock", server)
+    assert (_health(server)["queued"], _health(server)["running"]) == (2, 1)
     holders[0].close()  # the running one's client leaves: the slot frees
     assert probe.join(120) and probe.status == 200, probe
     assert probe.json()["usage"]["completion_tokens"] == 1
@@ -539,10 +547,12 @@ def test_the_watchdog_never_restarts_a_server_that_is_busy_and_shedding(watchdog
     judged = [v for v in verdicts if v is not None]
     assert judged and all(v.state == BUSY for v in judged), verdicts
 
-    # The counts reach the state file, `status` and the metrics.
-    hold = [BackgroundRequest(lambda i=i: requests.post(
-        f"{url}/v1/chat/completions", json=chat_body(f"long {i}", max_tokens=3000), timeout=600),
-        name=f"hold-{i}") for i in range(3)]
+    # The counts reach the state file, `status` and the metrics: one running
+    # and two queued, kept so until their clients leave (100,000 tokens each:
+    # none ends by itself while the counts are read).
+    hold = [_ask_and_hold_at(port)]
+    _wait(lambda: _health_at(url).get("running") == 1, "the first to run", sup)
+    hold += [_ask_and_hold_at(port) for _ in range(2)]
     server = sup.wait_for(lambda: (sup.record().get("server") or {}) if (
         (sup.record().get("server") or {}).get("queued") == 2) else None, 120,
         "the state file to show the queue")
@@ -558,8 +568,10 @@ def test_the_watchdog_never_restarts_a_server_that_is_busy_and_shedding(watchdog
     assert samples[("mlx_watchdog_running", ())] == 1
     assert samples[("mlx_watchdog_rejected_total", (("reason", "queue_timeout"),))] == 0
     assert samples[("mlx_watchdog_deadline_stops_total", ())] == 0
-    for request in hold:
-        assert request.join(600) and request.status == 200, request
+    for client in hold:
+        client.close()  # the disconnect part stops each (the queued ones once they run)
+    _wait(lambda: (_health_at(url).get("running"), _health_at(url).get("queued")) == (0, 0),
+          "the held requests to end with their clients", sup)
 
     states = [e["state"] for e in sup.events() if e["event"] == "state"]
     assert not {"failing", "wedged", "down"} & set(states), states

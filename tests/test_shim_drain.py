@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from harness.server import VERSIONS, BackgroundRequest, sse_events
-from tests.conftest import fault_env
+from tests.conftest import arm_fault, fault_env
 
 pytestmark = pytest.mark.server
 
@@ -70,6 +70,30 @@ def _send_eight(server, max_tokens: int = LONG):
     return streams, plains
 
 
+def _hold_env(tmp_path: Path) -> dict:
+    """The harness fault that holds the first decode step after arming until
+    the release file exists (see _send_eight_together)."""
+    return {**fault_env("hold:decode", tmp_path / "arm"), "MLX_TEST_FAULT_ONESHOT": "1",
+            "MLX_TEST_FAULT_RELEASE_FILE": str(tmp_path / "release")}
+
+
+def _send_eight_together(server, tmp_path: Path):
+    """The eight, all in the server before any is served (left to timing, a
+    loaded machine finished the first before the last came): the first decode
+    step waits until /health counts all eight, then they go."""
+    arm_fault(tmp_path / "arm")
+    sent = _send_eight(server)
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    while True:
+        health = requests.get(f"{server.url}/health", timeout=10).json()
+        if (health.get("in_flight") or 0) + (health.get("queued") or 0) >= 8:
+            break
+        assert time.monotonic() < deadline, f"never 8 in the server:\n{server.log()[-3000:]}"
+        time.sleep(0.05)
+    (tmp_path / "release").touch()
+    return sent
+
+
 def _completed_stream(request: BackgroundRequest, tokens: int) -> bool:
     assert request.join(CLIENT_TIMEOUT + 10), f"{request} hangs"
     assert request.error is None, request
@@ -105,9 +129,9 @@ def _hotfix(server, text: str) -> list:
 def test_sigterm_drains_accepted_requests_refuses_new_ones_then_dies_of_it(
         servers, tiny_llama, tmp_path, version):
     server = servers(version, tiny_llama, args=TWO_SLOTS,
-                     env=_env(tmp_path, MLX_HOTFIX_DRAIN_TIMEOUT="600"))
+                     env=_env(tmp_path, MLX_HOTFIX_DRAIN_TIMEOUT="600", **_hold_env(tmp_path)))
     server.warm_up()
-    streams, plains = _send_eight(server)
+    streams, plains = _send_eight_together(server, tmp_path)
     record = _wait_in_flight(server, tmp_path, 8)
     # Two decode, six wait for a slot in the admission part's line: accepted
     # too, so they finish through the drain as well.
@@ -132,6 +156,36 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_then_dies_of_it(
     assert _hotfix(server, "draining: 8 request(s) to finish"), server.hotfix_lines()
     (over,) = _hotfix(server, "drain over")
     assert "8 request(s) finished, 0 cut" in over and "1 new one(s) refused" in over, over
+
+
+def test_a_drain_on_its_own_port_answers_503_while_requests_keep_coming(
+        servers, tiny_llama, tmp_path):
+    """No held socket (this server binds its port): with its work done, the
+    draining server keeps the port open, /health 503 "draining" and new
+    requests 503, while new requests keep coming, so a load balancer takes it
+    out before the port closes (closing at once reset what HAProxy had sent
+    meanwhile: 502 for its clients, tests/test_haproxy_rolling.py). Without
+    the quiet period the process is gone ~0.1 s after the signal, nothing in
+    flight: the first of these requests meets a closed port."""
+    server = servers(VERSIONS[-1], tiny_llama, env=_env(
+        tmp_path, MLX_HOTFIX_DRAIN_TIMEOUT="600", MLX_HOTFIX_DRAIN_QUIET="600"))
+    server.warm_up()
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + CLIENT_TIMEOUT
+    while not _hotfix(server, "draining:"):
+        assert time.monotonic() < deadline and server.alive(), server.log()[-3000:]
+        time.sleep(0.05)
+    for _ in range(5):
+        health = requests.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        late = server.chat("a new request", max_tokens=2)
+        assert late.status_code == 503 and "restarting" in late.json()["error"]["message"]
+        assert int(late.headers["Retry-After"]) >= 1
+    assert server.alive() and not _hotfix(server, "drain over"), server.log()[-3000:]
+    (line,) = _hotfix(server, "draining:")
+    assert "until no new one came for 600s" in line, line
+    server.proc.send_signal(signal.SIGTERM)  # a second one stops at once, as always
+    assert server.wait_exit(60) == -signal.SIGTERM, server.log()[-3000:]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

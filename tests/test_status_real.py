@@ -164,3 +164,31 @@ def test_a_server_without_the_shim_is_flagged_in_log_status_and_metrics(installs
     log = watchdog.log_path.read_text()
     assert log.count(message) == 1, log
     assert re.search(r"ERROR +\[" + re.escape(inst.name) + r"\] shim: " + re.escape(message), log)
+
+
+def test_restart_name_finds_an_installed_instances_state_file(installs, tiny_llama, tmp_path):
+    """`restart NAME` without --state-file looks where `status` looks: the
+    installed instance's own NAME.state.json, whose daemon takes the request in
+    `<state file>.control/` and runs the definition's restart (here launchd's
+    `launchctl kickstart -k`, a stand-in on PATH that records its argv: there
+    is no launchd here)."""
+    inst = installs("launchd", tiny_llama)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "launchctl.calls"
+    launchctl = fake_bin / "launchctl"
+    launchctl.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    launchctl.chmod(0o755)
+    inst.start("server")
+    inst.start("watchdog", PATH=f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    inst.wait_status(rf"^{inst.name} +healthy ", "healthy row")
+
+    unknown = inst.cli("restart", "no-such-instance", "--no-wait")
+    assert unknown.returncode == 1
+    assert "no instance 'no-such-instance' in any state file" in unknown.stderr, unknown.stderr
+    assert inst.name in unknown.stderr  # what there is instead
+
+    done = inst.cli("restart", inst.name, "--no-wait", "--timeout", str(LOAD_S))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{inst.name}: restarted: ran launchctl kickstart -k" in done.stdout, done.stdout
+    assert f"io.github.mlx-watchdog.{inst.name}.server" in calls.read_text()

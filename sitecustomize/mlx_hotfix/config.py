@@ -21,6 +21,8 @@ MLX_HOTFIX_QUEUE_TIMEOUT=S   a request waiting for a slot this long gets 503 (de
 MLX_HOTFIX_REQUEST_TIMEOUT=S a request still generating this long after it came is cut
                              short, finish_reason "length" (default: none)
 MLX_HOTFIX_DRAIN_TIMEOUT=25  the first SIGTERM drains at most this long (0: answer at once)
+MLX_HOTFIX_DRAIN_QUIET=3     a drain on a port of the server's own keeps answering 503 until no
+                             new request came for this long (a balancer's time to take it out)
 MLX_HOTFIX_LAUNCHD_SOCKET=N  serve on launchd's socket N of the job's Sockets (macOS)
 MLX_HOTFIX_REPORT_MESSAGES=1  crash reports keep exception messages whole (by default
                              anything that looks like request content is redacted)
@@ -57,6 +59,9 @@ MIN_EXIT_GRACE = 2.0  # room for every waiting client to be answered, under load
 # Below the 30 s that launchd's ExitTimeOut, systemd's TimeoutStopSec and the
 # watchdog's stop grace give a stopping server before SIGKILL.
 DEFAULT_DRAIN_TIMEOUT = 25.0
+# The shipped HAProxy config marks a server down within inter + (fall - 1) *
+# fastinter = 2 + 1 s of its first 503 "draining" (monitoring/haproxy.cfg).
+DEFAULT_DRAIN_QUIET = 3.0
 
 
 class Config:
@@ -98,6 +103,10 @@ class Config:
         )
         self.drain_timeout = self._number(
             environ, "MLX_HOTFIX_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT, float,
+            lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
+        )
+        self.drain_quiet = self._number(
+            environ, "MLX_HOTFIX_DRAIN_QUIET", DEFAULT_DRAIN_QUIET, float,
             lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
         )
         self.launchd_socket = environ.get("MLX_HOTFIX_LAUNCHD_SOCKET", "").strip() or None

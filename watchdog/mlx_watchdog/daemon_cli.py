@@ -27,7 +27,8 @@ from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     probe_command,
 )
 from .redact import printable, secret
-from .state import StateStore, default_state_path, format_status, read_state
+from .state import (StateStore, default_state_path, format_status, known_state_files,
+                    read_states)
 
 
 def _state_file_option(f: Callable) -> Callable:
@@ -375,7 +376,7 @@ def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: boo
     from .state import SERVING_STATES, STALE, STOPPED, prune_state, status_of
 
     secret(os.environ.get(defaults.API_KEY_ENV))  # known, so scrubbed from the output
-    paths = [Path(state_file)] if state_file else _state_files()
+    paths = [Path(state_file)] if state_file else known_state_files()
     now = time.time()
     if prune:
         for path in paths:
@@ -391,14 +392,7 @@ def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: boo
                 click.echo(f"forgot {printable(name)} ({path})", err=True)
     instances: dict = {}
     found = []
-    for path in paths:
-        try:
-            data = read_state(path)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as exc:
-            click.echo(f"cannot read {path}: {exc}", err=True)
-            continue
+    for path, data in read_states(paths):
         found.append(path)
         for name, record in data["instances"].items():
             key = name if name not in instances else f"{name} ({path})"
@@ -426,25 +420,6 @@ def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: boo
         colour = colour_wanted(no_color)
         click.echo(format_status({"instances": instances}, now=now, colour=colour))
     ctx.exit(0 if shown and all(state in SERVING_STATES for state in shown.values()) else 1)
-
-
-def _state_files() -> "list[Path]":
-    """The shared state file, then every state file in the installed
-    instances' state folders (NAME.state.json, and a state.json there)."""
-    from .install.backend import state_folders
-
-    paths = [default_state_path()]
-    for folder in [default_state_path().parent] + state_folders(home=Path.home(),
-                                                                 environ=os.environ):
-        try:
-            paths += sorted(folder.glob("*.state.json")) + [folder / "state.json"]
-        except OSError:
-            continue
-    unique = []
-    for path in paths:
-        if path not in unique:
-            unique.append(path)
-    return unique
 
 
 def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:

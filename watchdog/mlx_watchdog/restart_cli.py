@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 import click
 
 from .probe_cli import _SECONDS
-from .state import default_state_path, read_state
+from .state import known_state_files, read_state, read_states
 
 CLAIM_WAIT_S = 10.0  # a running daemon takes a request within half a second
 
@@ -51,6 +51,31 @@ def _record(path: Path, name: str) -> Dict[str, Any]:
     return record
 
 
+def _state_file_of(name: str) -> Path:
+    """The state file that has instance NAME, looked for where `status` looks:
+    the shared state file and every installed instance's NAME.state.json. Of
+    several, the one whose daemon runs; two running ones: ask for --state-file."""
+    paths = known_state_files()
+    having, known = [], set()
+    for path, data in read_states(paths):
+        instances = data["instances"]
+        known.update(instances)
+        if isinstance(instances.get(name), dict):
+            having.append((path, instances[name]))
+    if not having:
+        folders = ", ".join(dict.fromkeys(str(p.parent) for p in paths))
+        raise click.ClickException(
+            f"no instance {name!r} in any state file (looked in {folders}; instances there: "
+            f"{', '.join(sorted(known)) or 'none'}); is it running? Name its daemon's "
+            "--state-file if it has one elsewhere")
+    running = [path for path, record in having if _daemon_running(record.get("daemon_pid"))]
+    if len(running) > 1:
+        raise click.ClickException(
+            f"instance {name!r} is in several running daemons' state files "
+            f"({', '.join(map(str, running))}): choose one with --state-file")
+    return running[0] if running else having[0][0]
+
+
 def _wait(condition, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
@@ -64,9 +89,10 @@ def _wait(condition, timeout: float, interval: float = 0.2):
 @click.argument("name")
 @click.option("--state-file", type=click.Path(dir_okay=False), default=None,
               help="The state file of the daemon that runs NAME. [default: "
-                   "$XDG_STATE_HOME/mlx-watchdog/state.json, or "
-                   "~/.local/state/mlx-watchdog/state.json; an installed instance's is in its "
-                   "NAME.toml, `state_file`]")
+                   "the one that has NAME, of the files `status` reads: "
+                   "$XDG_STATE_HOME/mlx-watchdog/state.json (or "
+                   "~/.local/state/mlx-watchdog/state.json) and every installed instance's "
+                   "NAME.state.json]")
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the restarted server serves again (a good probe).")
 @click.option("--timeout", type=_SECONDS, default=600.0, show_default=True,
@@ -85,7 +111,7 @@ def restart_command(name: str, state_file: Optional[str], wait: bool, timeout: f
     """
     from .control import ControlError, Request, control_dir
 
-    path = Path(state_file) if state_file else default_state_path()
+    path = Path(state_file) if state_file else _state_file_of(name)
     record = _record(path, name)
     daemon = record.get("daemon_pid")
     if not _daemon_running(daemon):

@@ -45,6 +45,36 @@ def default_state_path() -> Path:
     return Path(base) / "mlx-watchdog" / "state.json"
 
 
+def known_state_files() -> "list[Path]":
+    """The shared state file, then every state file in the installed
+    instances' state folders (NAME.state.json, and a state.json there): where
+    `status` and `restart NAME` look without --state-file."""
+    from .install.backend import state_folders
+
+    paths = [default_state_path()]
+    for folder in [default_state_path().parent] + state_folders(home=Path.home(),
+                                                                 environ=os.environ):
+        try:
+            paths += sorted(folder.glob("*.state.json")) + [folder / "state.json"]
+        except OSError:
+            continue
+    return list(dict.fromkeys(paths))
+
+
+def read_states(paths: "list[Path]") -> "list[Tuple[Path, Dict[str, Any]]]":
+    """(path, its data) for each of paths that exists; one that cannot be
+    read is named on stderr and skipped (status and restart read them so)."""
+    found = []
+    for path in paths:
+        try:
+            found.append((path, read_state(path)))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            click.echo(f"cannot read {path}: {exc}", err=True)
+    return found
+
+
 class StateStore:
     """Per-instance records, written to path (None: kept in memory only).
 

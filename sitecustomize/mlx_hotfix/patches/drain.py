@@ -18,10 +18,16 @@ How, from the first SIGTERM (the ``exit`` part's signal handler hands it here):
   requests in flight at the death are answered 503.)
 - Requests already accepted (generating, or waiting for a slot) go on to
   their normal end, streams to ``[DONE]``.
-- The drain ends when nothing is left, at MLX_HOTFIX_DRAIN_TIMEOUT (25 s),
-  or at once when it cannot progress: the generation loop stalled (the
-  heartbeat says so), or nothing delivered for NO_PROGRESS_S while requests
-  wait, or the generation thread gone. Then the exit part's stop answers what
+- On a port of its own, the server goes on answering 503 once nothing is
+  left, until no new request came for MLX_HOTFIX_DRAIN_QUIET (3 s, counted
+  from the SIGTERM at the earliest): a load balancer's check sees /health
+  503 "draining" and takes the server out before the port closes. Closing it
+  at once would reset the connections the balancer sent meanwhile, in the
+  kernel's backlog (HAProxy answers its client 502). No wait on a held socket.
+- The drain ends when nothing is left (and the port is quiet), at
+  MLX_HOTFIX_DRAIN_TIMEOUT (25 s), or at once when it cannot progress: the
+  generation loop stalled (the heartbeat says so), or nothing delivered for
+  NO_PROGRESS_S while requests wait, or the generation thread gone. Then the exit part's stop answers what
   is left (503 JSON, or a final SSE error event) and the process dies of the
   signal, as before.
 - A second SIGTERM, a SIGINT, MLX_HOTFIX_DRAIN_TIMEOUT=0, or a process that
@@ -36,7 +42,8 @@ HTTP listener class; no upper version bound (fail-safe: it changes no
 result, only when the process goes). Off switch: MLX_HOTFIX_DISABLE=drain.
 
 Test: tests/test_shim_drain.py (8 requests through a drain on 0.31.3 and
-0.32.2, a drain timeout shorter than the work, a hung loop, SIGINT).
+0.32.2, the port kept open while requests keep coming, a drain timeout
+shorter than the work, a hung loop, SIGINT); tests/test_haproxy_rolling.py.
 """
 
 import threading
@@ -47,6 +54,7 @@ from .._wrap import _wrap, wrapped_by
 from ..group import rank as group_rank
 from . import exit_on_death
 from ._http import send_json
+from .heartbeat import _is_probe
 
 NAME = "drain"
 KIND = "fail-safe"
@@ -92,17 +100,22 @@ class Drain:
         self.refusing = False  # new completions get 503 (a listener of our own)
         self.finished = 0  # accepted completions that ended during the drain
         self.refused = 0
+        self.last_refused_at = None  # monotonic time of the newest refusal
 
     @property
     def draining(self):
         return self.started_at is not None
 
     # -- request threads -------------------------------------------------------
-    def admit(self):
-        """A completion begins: True to serve it, False to refuse it (draining)."""
+    def admit(self, probe=False):
+        """A completion begins: True to serve it, False to refuse it (draining).
+        A watchdog's probe is refused too, but is no client a balancer sends:
+        it does not keep the port open."""
         with self._lock:
             if self.refusing:
                 self.refused += 1
+                if not probe:
+                    self.last_refused_at = time.monotonic()
                 return False
             self.active += 1
             return True
@@ -152,7 +165,8 @@ class Drain:
         log.say(
             "signal %d: draining: %d request(s) to finish, no new ones (%s); at most %gs, a "
             "second SIGTERM or a SIGINT stops at once"
-            % (self.signum, waiting, "they wait for the next server" if held else "503",
+            % (self.signum, waiting, "they wait for the next server" if held else
+               "503, until no new one came for %gs" % settings.drain_quiet,
                settings.drain_timeout) + ("" if connections <= waiting else
                                           " (%d connection(s) open)" % connections))
         heartbeat.notify_status("draining: %d request(s) to finish" % waiting)
@@ -162,13 +176,15 @@ class Drain:
                 return  # a death or a second signal answers everyone now
             now = time.monotonic()
             if self._nothing_left(now, held):
-                break
-            if now >= deadline:
+                if held or self._quiet(now, settings) or now >= deadline:
+                    break  # (a port still busy at the deadline cuts nobody: stop)
+            elif now >= deadline:
                 why = "the drain timeout (%gs) ran out" % settings.drain_timeout
                 break
-            why = _no_progress(now, settings)
-            if why:
-                break
+            else:
+                why = _no_progress(now, settings)
+                if why:
+                    break
             with self._lock:
                 self._changed.wait(min(_POLL_S, max(0.0, deadline - now)))
         with self._lock:
@@ -181,6 +197,13 @@ class Drain:
         for listener in self.listeners:
             listener.accepting = False
         exit_on_death.lifeline.stop_serving(self.signum)
+
+    def _quiet(self, now, settings):
+        """On a port of our own: no new request for the quiet time, so a
+        balancer has taken this server out (or there is none)."""
+        with self._lock:
+            last = max(self.started_at, self.last_refused_at or self.started_at)
+        return now - last >= settings.drain_quiet
 
     def _open_connections(self):
         return sum(len(listener.open) for listener in self.listeners)
@@ -246,7 +269,7 @@ def refuse(handler):
 
 def _wrap_handle_completion(original):
     def handle_completion(self, *args, **kwargs):
-        if not state.admit():
+        if not state.admit(probe=_is_probe(self)):
             return refuse(self)
         try:
             return original(self, *args, **kwargs)
