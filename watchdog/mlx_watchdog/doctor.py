@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import click
 
-from .defaults import HEARTBEAT_ENV, HOST, PORT
+from .defaults import HEARTBEAT_ENV, HOST, PORT, REPORT_DIR_ENV
 from .log import colour_wanted
 from .shim import shim_dir
 
@@ -264,7 +264,7 @@ def folders_group(ctx: Context) -> Group:
     from .reports import report_dir
 
     group = Group("Files")
-    folders = {"crash reports": report_dir(ctx.environ.get("MLX_HOTFIX_REPORT_DIR") or None)}
+    folders = {"crash reports": report_dir(ctx.environ.get(REPORT_DIR_ENV) or None)}
     if ctx.environ.get(HEARTBEAT_ENV):
         folders["heartbeat"] = Path(ctx.environ[HEARTBEAT_ENV]).parent
     for label, folder in folders.items():

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import defaults
+from . import contract, defaults
 from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
 from .redact import printable
 from .safefile import read_regular
@@ -369,9 +369,10 @@ def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
 
 
 def rank_heartbeat_files(path: "str | os.PathLike[str]") -> List[str]:
-    """The heartbeat files of ranks N>0 next to rank 0's (`<path>.rankN`)."""
+    """The heartbeat files of ranks N>0 next to rank 0's (`<path>.rankN`, the
+    contract's rank_file)."""
     pattern = glob.escape(str(path)) + ".rank*"
-    return sorted(p for p in glob.glob(pattern) if re.search(r"\.rank\d+$", p))
+    return sorted(p for p in glob.glob(pattern) if contract.RANK_FILE.search(p))
 
 
 def clear_heartbeats(path: "str | os.PathLike[str]") -> None:
