@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -502,7 +503,6 @@ def run_group(argv: Sequence[str], env: Mapping[str, str], *,
         print(f"mlx-watchdog: cannot run {argv[0]!r}: {exc.strerror or exc}", file=out)
         return 127
     asked: List[int] = []
-    done = threading.Event()
 
     def stop(signum, _frame):
         asked.append(signum)
@@ -525,8 +525,9 @@ def run_group(argv: Sequence[str], env: Mapping[str, str], *,
         # (it leaves them all when it is killed) goes with it.
         _signal_group(launcher.pid, signal.SIGTERM)
         for _ in range(int(min(stop_grace_s, 5.0) / 0.1)):
-            if not _group_alive(launcher.pid) or done.wait(0.1):
+            if not _group_alive(launcher.pid):
                 break
+            time.sleep(0.1)
         _signal_group(launcher.pid, signal.SIGKILL)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

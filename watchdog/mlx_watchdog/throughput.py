@@ -1,7 +1,7 @@
 """Throughput from the shim's heartbeat counters, and crash reports in a folder.
 
 The shim's heartbeat file (see heartbeat.py) also carries per-process counters
-(branch i8's contract): prompt_tokens (prompt-progress deliveries),
+(contract.HEARTBEAT_FIELDS): prompt_tokens (prompt-progress deliveries),
 decode_tokens (generated tokens), requests, cancelled, and the in_flight
 gauge; with the admission part also rejected_queue_full,
 rejected_queue_timeout and deadline_stops, and the queued and running
