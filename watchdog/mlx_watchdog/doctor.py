@@ -35,7 +35,7 @@ import click
 
 from .defaults import HEARTBEAT_ENV, HOST, PORT, REPORT_DIR_ENV
 from .log import colour_wanted
-from .shim import shim_dir
+from .shim import load_shim_file, shim_dir
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
@@ -106,11 +106,7 @@ print("MLX-DOCTOR " + json.dumps(out))
 
 
 def _pairings():
-    path = shim_dir() / "mlx_hotfix" / "pairings.py"
-    spec = importlib.util.spec_from_file_location("mlx_watchdog_pairings", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_shim_file("pairings")
 
 
 def default_python(environ: Mapping[str, str]) -> Tuple[Optional[str], str]:
