@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Deque, Dict, Mapping, Optional, Tuple
 
+from . import contract
+
 # heartbeat field -> what we call it (metric names, the status record)
 COUNTERS = {
     "prompt_tokens": "prefill_tokens",
@@ -154,8 +156,9 @@ class ReportScan:
 
 
 class ReportWatcher:
-    """Counts crash reports (*.json) appearing in a folder: those of one
-    instance when `instance` is given (several instances may share a folder).
+    """Counts crash reports (report names: contract.REPORT_NAME) appearing in
+    a folder: those of one instance when `instance` is given (several
+    instances may share a folder).
 
     A report names its instance (`instance`: name, port, model; see
     reports.instance_field and the shim's reports.instance()): it is ours
@@ -179,7 +182,7 @@ class ReportWatcher:
         try:
             with os.scandir(self.folder) as entries:
                 for entry in entries:
-                    if entry.name.endswith(".json") and not entry.name.startswith("."):
+                    if contract.REPORT_NAME.match(entry.name):
                         try:
                             names[entry.name] = entry.stat().st_mtime
                         except OSError:
