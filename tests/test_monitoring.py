@@ -155,7 +155,7 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
                 (r.get("server") or {}).get("decode_tok_s") is not None and r,
                 30, "throughput in the state file")
             assert record["server"]["in_flight"] == 2
-            assert record["newest_report"]["file"] == str(reports / "crash-1.json")
+            assert record["newest_report"]["file"] == str(reports / report)
             assert isinstance(record["last_ok_probe"], float)
         finally:
             watch.cleanup()
