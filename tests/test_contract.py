@@ -28,7 +28,9 @@ def test_the_watchdog_loads_the_shims_own_file():
 
 
 def test_the_restart_causes_are_one_vocabulary():
-    assert monitor.RESTART_CAUSES == contract.RESTART_CAUSES
+    assert monitor.RESTART_CAUSES == contract.RESTART_CAUSES, (
+        "a new restart cause goes into RESTART_CAUSES (and, if the server was alive but not "
+        "serving, WEDGED_CAUSES) of sitecustomize/mlx_hotfix/contract.py; monitor.py uses it")
     assert contract.PORT_TAKEN in monitor.RESTART_CAUSES  # the cause monitor.py used to miss
     assert len(set(contract.RESTART_CAUSES)) == len(contract.RESTART_CAUSES)
     assert set(contract.WEDGED_CAUSES) <= set(contract.RESTART_CAUSES)
@@ -36,7 +38,10 @@ def test_the_restart_causes_are_one_vocabulary():
     causes = {value for name, value in vars(judge).items()
               if name.isupper() and isinstance(value, str)
               and value not in judge.STATES and value not in contract.PHASES}
-    assert causes and causes <= set(contract.RESTART_CAUSES), causes - set(contract.RESTART_CAUSES)
+    assert causes and causes <= set(contract.RESTART_CAUSES), (
+        f"judge.py gives causes {sorted(causes - set(contract.RESTART_CAUSES))} that "
+        "sitecustomize/mlx_hotfix/contract.py RESTART_CAUSES lacks: define them there and "
+        "use contract.NAME in judge.py")
     assert monitor.PLANNED == contract.PLANNED
 
 
