@@ -455,12 +455,15 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     command = localized(command, private_dir)
     if not command.remote_hosts:
         return command
-    # The shim's settings, but not the heartbeat file: its folder is on this host.
-    # What the command itself passes with --env stands (it comes first: ours
-    # would win), but the shim goes in front of its PYTHONPATH.
+    # The shim's settings, but not the heartbeat file nor the report folder:
+    # their folders are on this host (a remote rank writes its reports into
+    # its own host's default folder). What the command itself passes with
+    # --env stands (it comes first: ours would win), but the shim goes in
+    # front of its PYTHONPATH.
     own = command.launch_env()
+    local_only = (defaults.HEARTBEAT_ENV, defaults.REPORT_DIR_ENV)
     forwarded = {k: v for k, v in env.items()
-                 if ((k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
+                 if ((k.startswith(contract.ENV_PREFIX) and k not in local_only)
                      or k == "HF_HUB_OFFLINE") and k not in own}
     if not shim:
         return command.with_env(forwarded)
