@@ -42,7 +42,9 @@ from ._files import create_private, read_regular, write_atomically
 
 # The folder, the names, KEEP, SCHEMA, pruning and argv redaction are the
 # contract with the watchdog (contract.py), which reads what is written here.
-from .contract import KEEP, SCHEMA, prune, redact_argv, report_dir, report_name, report_names  # noqa: F401
+from .contract import (KEEP, SCHEMA, prune, redact_argv, report_dir,  # noqa: F401
+                       report_name, report_names)
+
 _SAMPLING_FIELDS = (
     "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "repetition_context_size", "presence_penalty", "frequency_penalty", "xtc_probability",
