@@ -71,25 +71,32 @@ def test_reports_table_json_show_and_markdown(tmp_path):
     assert "```" in markdown
     missing = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", "nope"])
     assert missing.exit_code == 1 and "no report 'nope'" in missing.output
-    assert reports.count_reports(tmp_path) == 2
+    assert len(reports.report_files(tmp_path)) == 2
 
 
 def test_reports_keep_the_newest_fifty(tmp_path):
     for i in range(55):
         _report(tmp_path, "died", 1_700_000_000 + i)
-    assert reports.count_reports(tmp_path) == 50
+    assert len(reports.report_files(tmp_path)) == 50
     oldest = min(r["time"] for r in reports.load_reports(tmp_path))
     assert oldest == 1_700_000_005
 
 
-def test_reports_escape_terminal_codes_in_fields_and_file_names(tmp_path):
+def test_reports_escape_terminal_codes_in_fields_and_ignore_other_file_names(tmp_path):
     esc = "\x1b]0;owned\x07\x1b[2J"
-    _report(tmp_path, f"died{esc}", time.time(), reason=f"boom{esc}",
-            versions={"mlx_lm": f"0.32.2{esc}"},
-            exception={"type": f"builtins.RuntimeError{esc}", "message": f"bad{esc}",
-                       "traceback": f"Traceback\n  line{esc}\n"})
+    now = time.time()
+    (tmp_path / reports.report_name("died", 42, now)).write_text(json.dumps({
+        "kind": f"died{esc}", "time": now, "pid": 42, "reason": f"boom{esc}",
+        "versions": {"mlx_lm": f"0.32.2{esc}"},
+        "exception": {"type": f"builtins.RuntimeError{esc}", "message": f"bad{esc}",
+                      "traceback": f"Traceback\n  line{esc}\n"}}))
+    _report(tmp_path, "died", now + 1, reason="the newest")
+    # Not a report name (contract.REPORT_NAME): not ours, neither listed nor pruned.
     planted = tmp_path / f"20991231-000000-000-died-1{esc}.json"
     planted.write_text(json.dumps({"kind": "died", "time": time.time() + 60, "pid": 1}))
+    other = tmp_path / "notes.json"
+    other.write_text("{}")
+    assert len(reports.report_files(tmp_path)) == 2
     runner = CliRunner()
     for argv in (["reports"], ["reports", "--markdown"], ["reports", "show", "2", "--markdown"],
                  ["reports", "show", "1"], ["reports", "--json"]):
@@ -101,6 +108,8 @@ def test_reports_escape_terminal_codes_in_fields_and_file_names(tmp_path):
     markdown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", "2",
                                     "--markdown"]).output
     assert "Traceback\n  line\\x1b]0;owned\\x07\\x1b[2J\n" in markdown  # lines kept
+    reports.prune(tmp_path, keep=1)
+    assert planted.exists() and other.exists() and len(reports.report_files(tmp_path)) == 1
 
 
 MALFORMED = {
@@ -115,9 +124,11 @@ MALFORMED = {
 
 def test_a_malformed_report_is_marked_and_the_others_still_listed(tmp_path):
     good = _report(tmp_path, "died", time.time(), reason="a real one")
-    for name, data in MALFORMED.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
-    (tmp_path / "not-json.json").write_text("{garbage")
+    ids = {}  # the file stem of each malformed report
+    for pid, (name, data) in enumerate([*MALFORMED.items(), ("not-json", None)], 1):
+        path = tmp_path / reports.report_name("died", pid, 1_700_000_000 + pid)
+        path.write_text("{garbage" if data is None else json.dumps(data))
+        ids[name] = path.stem
     runner = CliRunner()
     table = runner.invoke(main, ["reports", "--dir", str(tmp_path)])
     assert table.exit_code == 0 and "Traceback" not in table.output, table.output
@@ -125,21 +136,23 @@ def test_a_malformed_report_is_marked_and_the_others_still_listed(tmp_path):
     assert len(rows) == len(MALFORMED) + 2
     assert sum("unreadable report: " in row for row in rows) == len(MALFORMED) + 1
     assert any("a real one" in row for row in rows)
-    row = next(r for r in rows if "string-time" in r)
+    row = next(r for r in rows if ids["string-time"] in r)
     assert "unreadable report: time is a string" in row
     listed = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--json"])
     assert listed.exit_code == 0
     marks = {r["id"]: r.get("unreadable") for r in json.loads(listed.output)}
-    assert marks[good.stem] is None and marks["huge-time"] == "time 1e+300 is not a date"
-    assert marks["a-list"] == "a JSON list, not an object"
-    assert marks["not-json"].startswith("not JSON")
-    shown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", "string-exception"])
+    assert marks[good.stem] is None and marks[ids["huge-time"]] == "time 1e+300 is not a date"
+    assert marks[ids["a-list"]] == "a JSON list, not an object"
+    assert marks[ids["not-json"]].startswith("not JSON")
+    shown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show",
+                                 ids["string-exception"]])
     assert shown.exit_code == 0
     assert json.loads(shown.output)["unreadable"] == "exception is a string"
     as_markdown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show",
-                                       "string-exception", "--markdown"])
+                                       ids["string-exception"], "--markdown"])
     assert as_markdown.exit_code == 1
-    assert "unreadable report string-exception: exception is a string" in as_markdown.output
+    assert (f"unreadable report {ids['string-exception']}: exception is a string"
+            in as_markdown.output)
     newest = runner.invoke(main, ["reports", "--dir", str(tmp_path), "--markdown"])
     assert newest.exit_code == 0 and "a real one" in newest.output
 

@@ -104,7 +104,9 @@ def test_the_probe_targets_rank_0(tmp_path):
 def test_remote_ranks_get_the_shim_and_its_settings_through_env(tmp_path):
     path = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), ("studio-2", "10.0.0.6"))
     env = {"PYTHONPATH": "/here/shim", "MLX_HOTFIX_DISABLE": "advance",
-           "MLX_HOTFIX_HEARTBEAT_FILE": "/private/hb", "HF_HUB_OFFLINE": "1", "OTHER": "x"}
+           "MLX_HOTFIX_HEARTBEAT_FILE": "/private/hb", "HF_HUB_OFFLINE": "1", "OTHER": "x",
+           # install sets it; a remote rank writes into its own host's default folder
+           "MLX_HOTFIX_REPORT_DIR": "/var/lib/mlx-watchdog/reports"}
     command = group.prepare(["mlx.launch", "--hostfile", path, *SERVER], env,
                             private_dir=tmp_path, remote_shim_path="/there/shim")
     options = command.options

@@ -5,10 +5,9 @@ traffic once HAProxy's check on /health says so, and no client request sent
 after that check interval fails: the healthy server takes it all.
 
 The real-server cases run the stock mlx_lm.server of each tested release with
-the hotfix shim. The livelock and loading cases need the shim's truthful
-/health (503 "stalled" / "loading"), from branch i8 (issue 8): until that is
-in the shim they are skipped with that reason, and the same behaviour is
-shown against a small stand-in server that answers /health as i8 specifies.
+the hotfix shim, whose /health tells the truth (503 "stalled" / "loading").
+The same behaviour is also shown against a small stand-in server that
+answers /health as the shim does.
 """
 
 from __future__ import annotations
@@ -21,18 +20,11 @@ import pytest
 from tests.conftest import fault_env
 from harness.fakeserver import HANG, HEALTH_OK, FakeServer, json_answer
 from harness.haproxy import CONFIG, ClientLoop, HAProxy, config_for, haproxy_binary
-from harness.server import SHIM_DIR, VERSIONS
+from harness.server import VERSIONS
 
 _TIMING = re.search(r"inter (\d+)s fall (\d+)", CONFIG.read_text())
 # How long HAProxy may take to mark a server down: `fall` checks `inter` apart.
 CHECK_INTERVAL_S = int(_TIMING.group(1)) * int(_TIMING.group(2))
-
-# Branch i8 (issue 8) gives the shim a truthful /health; its 200 answer carries
-# last_delivery_age_s. Cases that need it are skipped until it is there.
-TRUTHFUL_HEALTH = any("last_delivery_age_s" in p.read_text() for p in SHIM_DIR.rglob("*.py"))
-needs_i8_health = pytest.mark.skipif(
-    not TRUTHFUL_HEALTH,
-    reason="needs the shim's truthful /health (503 stalled/loading) from branch i8, issue 8")
 
 HEALTH_STALLED = json_answer(503, {"status": "stalled"})
 HEALTH_LOADING = json_answer(503, {"status": "loading"})
@@ -92,7 +84,7 @@ def _after_failover(loop: ClientLoop, since: float, healthy: str, count: int = 6
     assert {o.server for o in later} == {healthy}, later
 
 
-# -- against a stand-in that answers /health as the shim of branch i8 does ------
+# -- against a stand-in that answers /health as the shim does ------------------
 
 
 def test_standin_stalled_backend_stops_getting_traffic(haproxies, clients):
@@ -102,7 +94,7 @@ def test_standin_stalled_backend_stops_getting_traffic(haproxies, clients):
         proxy.wait_status("well", "UP")
         loop = clients(proxy.url, timeout=10)
         loop.wait_count(lambda o: o.ok and o.server == "sick", 1, timeout=30)
-        sick.completion, sick.health = HANG, HEALTH_STALLED  # livelocked, as i8 reports it
+        sick.completion, sick.health = HANG, HEALTH_STALLED  # livelocked, as the shim reports it
         stalled_at = time.monotonic()
         proxy.wait_status("sick", "DOWN", timeout=30)
         _after_failover(loop, stalled_at + CHECK_INTERVAL_S, "well")
@@ -150,11 +142,10 @@ def test_dead_backend_without_supervisor_fails_over(
     _after_failover(loop, died_at + CHECK_INTERVAL_S, "well")
 
 
-@needs_i8_health
 @pytest.mark.parametrize("version", VERSIONS)
 def test_livelocked_backend_fails_over(version, servers, tiny_llama, tmp_path, haproxies, clients):
-    """i8-dependent: the shim's /health turns 503 "stalled" when the loop livelocks
-    (i8's livelock fault: the loop turns, nothing is delivered, upstream #1493)."""
+    """The shim's /health turns 503 "stalled" when the loop livelocks (the
+    livelock fault: the loop turns, nothing is delivered, upstream #1493)."""
     arm = tmp_path / "arm"
     env = dict(fault_env("livelock:batch", arm), MLX_HOTFIX_STALL_TIMEOUT="3")
     sick, well = _pair(servers, tiny_llama, tmp_path, version, env)
@@ -170,11 +161,10 @@ def test_livelocked_backend_fails_over(version, servers, tiny_llama, tmp_path, h
     _after_failover(loop, time.monotonic(), "well")
 
 
-@needs_i8_health
 @pytest.mark.parametrize("version", VERSIONS)
 def test_loading_backend_gets_no_traffic_until_healthy(
         version, servers, tiny_llama, tmp_path, haproxies, clients):
-    """i8-dependent: the shim's /health says 503 "loading" until the model is loaded."""
+    """The shim's /health says 503 "loading" until the model is loaded."""
     release = tmp_path / "release"
     env = dict(fault_env("hold:load"), MLX_TEST_FAULT_RELEASE_FILE=str(release))
     loading, well = _pair(servers, tiny_llama, tmp_path, version, env)

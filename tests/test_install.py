@@ -265,6 +265,8 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
         "PYTHONUNBUFFERED": "1",
         "MLX_HOTFIX_INSTANCE": name,
         "MLX_HOTFIX_LAUNCHD_SOCKET": "Listeners",  # the shim asks launchd for it
+        # Given to both jobs: server and watchdog agree on it whatever users they run as.
+        "MLX_HOTFIX_REPORT_DIR": str(env.home / "Library" / "Logs" / "mlx-watchdog" / "reports"),
     }
     # launchd holds the listening socket (launchd.plist(5) Sockets keys).
     assert s["Sockets"] == {"Listeners": {"SockNodeName": "127.0.0.1",
@@ -291,6 +293,8 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
     assert w["ThrottleInterval"] == 10
     assert "PYTHONPATH" not in w["EnvironmentVariables"]
     assert "NOTIFY_SOCKET" not in w["EnvironmentVariables"]
+    assert w["EnvironmentVariables"]["MLX_HOTFIX_REPORT_DIR"] == \
+        s["EnvironmentVariables"]["MLX_HOTFIX_REPORT_DIR"]
 
     cfg = tomllib.loads(config.read_text())
     assert cfg == {
@@ -463,6 +467,9 @@ def test_systemd_user_install_reinstall_uninstall(env, tmp_path):
            f"--port {port}\n" in server
     assert f"Environment=PYTHONPATH={env.shim}\n" in server
     assert f"Environment=MLX_HOTFIX_HEARTBEAT_FILE={state}/{name}.heartbeat\n" in server
+    assert f"Environment=MLX_HOTFIX_REPORT_DIR={state}/reports\n" in server
+    assert f"Environment=MLX_HOTFIX_REPORT_DIR={state}/reports\n" in (
+        env.user_units / wu).read_text()
     assert "HF_HUB_OFFLINE" not in server
     assert state.is_dir()
     config = tomllib.loads((env.user_config / f"{name}.toml").read_text())
@@ -549,6 +556,9 @@ def test_systemd_system_units(env, tmp_path):
     assert f"User={user}\n" in server
     assert "StateDirectory=mlx-watchdog\n" in server
     assert "Environment=MLX_HOTFIX_HEARTBEAT_FILE=/var/lib/mlx-watchdog/" in server
+    # The root watchdog looks for the stacks and reports where the server's user writes them.
+    assert "Environment=MLX_HOTFIX_REPORT_DIR=/var/lib/mlx-watchdog/reports\n" in server
+    assert "Environment=MLX_HOTFIX_REPORT_DIR=/var/lib/mlx-watchdog/reports\n" in watchdog
     assert "WantedBy=multi-user.target\n" in server and "WantedBy=multi-user.target\n" in watchdog
     assert "User=" not in watchdog  # root, so that it may restart a system unit
     cfg = tomllib.loads((out / f"{name}.toml").read_text())

@@ -15,6 +15,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlx_watchdog import contract
+
 from harness.fakeserver import FakeServer
 from harness.server import free_port
 from harness.watchdog_run import WatchdogProcess
@@ -134,7 +136,8 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
             # The counters follow the heartbeat: 40 more tokens, a new report.
             beat.update(beats=2, time=time.time(), decode_tokens=50, prompt_tokens=400)
             heartbeat.write_text(json.dumps(beat))
-            (reports / "crash-1.json").write_text(json.dumps({"instance": {"name": "mac1"}}))
+            report = contract.report_name("died", 4242, time.time())  # the shim's naming
+            (reports / report).write_text(json.dumps({"instance": {"name": "mac1"}}))
             served = _wait(
                 lambda: (s := _served(url))["mlx_watchdog_decode_tokens_total"].value == 40 and
                 s["mlx_watchdog_crash_reports_total"].value == 1 and s,
@@ -152,7 +155,7 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
                 (r.get("server") or {}).get("decode_tok_s") is not None and r,
                 30, "throughput in the state file")
             assert record["server"]["in_flight"] == 2
-            assert record["newest_report"]["file"] == str(reports / "crash-1.json")
+            assert record["newest_report"]["file"] == str(reports / report)
             assert isinstance(record["last_ok_probe"], float)
         finally:
             watch.cleanup()

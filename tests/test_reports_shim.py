@@ -105,7 +105,7 @@ def test_write_report_never_raises_and_keeps_the_newest(envs, tmp_path):
         "assert reports.write_report('died') is None\n"
         "assert reports.redact_argv(['-m', '--api-key', 'K1', '--token=K2', '--port', '1'])"
         " == ['-m', '--api-key', '***', '--token=***', '--port', '1']\n"
-        "print(reports.count_reports(sys.argv[2]))\n"
+        "print(len(reports.report_names(sys.argv[2])))\n"
     )
     from harness.server import SHIM_DIR
 

@@ -237,16 +237,6 @@ def test_recovers_after_listener_is_recreated(listener):
         again.close()
 
 
-def test_shared_notifier_reads_os_environ(listener, monkeypatch):
-    path, sock = listener
-    monkeypatch.setenv("NOTIFY_SOCKET", path)
-    module = _load()  # fresh module: no cached shared instance
-    n = module.notifier()
-    assert module.notifier() is n
-    assert n.ready() is True
-    assert received(sock) == ["READY=1"]
-
-
 def test_import_is_cheap_and_stdlib_only():
     # Importing the module must not pull in socket (or anything else new).
     code = (

@@ -71,30 +71,37 @@ def test_tracker_reads_counters_and_rates_and_tolerates_old_shims(tmp_path):
     assert sample() is None
 
 
-def test_reports_counts_only_new_json_files(tmp_path):
+def test_reports_counts_only_new_report_files(tmp_path):
+    from mlx_watchdog import contract
+
+    old, a, b = (contract.report_name("died", pid, 1_700_000_000 + pid) for pid in (1, 2, 3))
     folder = tmp_path / "reports"
     watcher = ReportWatcher(folder)
     assert watcher.scan().new == 0  # no folder yet
     folder.mkdir()
-    (folder / "old.json").write_text("{}")
+    (folder / old).write_text("{}")
     scan = watcher.scan()
-    assert scan.new == 1 and scan.newest == "old.json"  # appeared after we started
-    (folder / "a.json").write_text("{}")
-    (folder / "b.json").write_text("{}")
-    os.utime(folder / "a.json", (2e9, 2e9))
+    assert scan.new == 1 and scan.newest == old  # appeared after we started
+    (folder / a).write_text("{}")
+    (folder / b).write_text("{}")
+    os.utime(folder / a, (2e9, 2e9))
     (folder / "notes.txt").write_text("")
+    (folder / "notes.json").write_text("{}")  # not a report name: not ours
     scan = watcher.scan()
-    assert scan.new == 2 and scan.newest == "a.json"
+    assert scan.new == 2 and scan.newest == a
     assert watcher.scan().new == 0
-    (folder / "a.json").unlink()
+    (folder / a).unlink()
     assert watcher.scan().new == 0
 
 
 def test_reports_already_there_at_start_are_not_new(tmp_path):
-    (tmp_path / "old.json").write_text("{}")
+    from mlx_watchdog import contract
+
+    old = contract.report_name("died", 1, 1_700_000_000)
+    (tmp_path / old).write_text("{}")
     watcher = ReportWatcher(tmp_path)
     assert watcher.scan().new == 0
-    assert watcher.newest[1] == "old.json"
+    assert watcher.newest[1] == old
 
 
 def test_metrics_export_throughput_and_reports(tmp_path):

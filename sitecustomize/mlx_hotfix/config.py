@@ -35,6 +35,8 @@ exponent ("2.5", "1e3"); anything else is named on stderr and the default used.
 import os
 import re
 
+from . import contract
+
 PARTS = ("exit", "heartbeat", "extend", "advance", "recover", "disconnect", "prompt_cache_bytes",
          "extract", "validate", "admission", "drain", "socket")
 _TRUE = ("1", "true", "yes", "on")
@@ -69,9 +71,9 @@ class Config:
         self.warnings = []
         self.debug = environ.get("MLX_HOTFIX_DEBUG", "").strip().lower() in _TRUE
         self.report_messages = self._flag(environ, "MLX_HOTFIX_REPORT_MESSAGES")
-        self.disabled = self._parse_disable(environ.get("MLX_HOTFIX_DISABLE", ""))
+        self.disabled = self._parse_disable(environ.get(contract.DISABLE_ENV, ""))
         self.exit_code = self._number(
-            environ, "MLX_HOTFIX_EXIT_CODE", 70, int, lambda v: 1 <= v <= 255,
+            environ, "MLX_HOTFIX_EXIT_CODE", contract.EXIT_CODE, int, lambda v: 1 <= v <= 255,
             "an integer from 1 to 255",
         )
         self.exit_grace = self._number(
@@ -81,7 +83,7 @@ class Config:
         # In a distributed group rank N>0 writes <file>.rankN (see group.py).
         from .group import heartbeat_path
 
-        self.heartbeat_file = heartbeat_path(environ.get("MLX_HOTFIX_HEARTBEAT_FILE") or None,
+        self.heartbeat_file = heartbeat_path(environ.get(contract.HEARTBEAT_FILE_ENV) or None,
                                              environ)
         self.heartbeat_interval = self._number(
             environ, "MLX_HOTFIX_HEARTBEAT_INTERVAL", 1.0, float,
@@ -98,20 +100,20 @@ class Config:
         )
         # Longer than the longest single prefill step (see README, "Stalls").
         self.stall_timeout = self._number(
-            environ, "MLX_HOTFIX_STALL_TIMEOUT", 300.0, float,
+            environ, contract.STALL_TIMEOUT_ENV, 300.0, float,
             lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",
         )
         self.drain_timeout = self._number(
-            environ, "MLX_HOTFIX_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT, float,
+            environ, contract.DRAIN_TIMEOUT_ENV, DEFAULT_DRAIN_TIMEOUT, float,
             lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
         )
         self.drain_quiet = self._number(
             environ, "MLX_HOTFIX_DRAIN_QUIET", DEFAULT_DRAIN_QUIET, float,
             lambda v: 0 <= v <= 3600, "a number of seconds from 0 to 3600",
         )
-        self.launchd_socket = environ.get("MLX_HOTFIX_LAUNCHD_SOCKET", "").strip() or None
+        self.launchd_socket = environ.get(contract.LAUNCHD_SOCKET_ENV, "").strip() or None
         self.parent_pid = self._number(
-            environ, "MLX_HOTFIX_PARENT_PID", None, int, lambda v: v > 1, "a process id"
+            environ, contract.PARENT_PID_ENV, None, int, lambda v: v > 1, "a process id"
         )
         # Admission (patches/admission.py): unset is no limit, as stock.
         self.max_queue = self._number(

@@ -50,5 +50,6 @@ def heartbeat_path(base, environ=None):
     watchdog can judge each one (see mlx_watchdog.group)."""
     if not base:
         return base
-    n = rank(environ)
-    return base if not n else "%s.rank%d" % (base, n)
+    from .contract import rank_file
+
+    return rank_file(base, rank(environ))

@@ -37,14 +37,14 @@ import sys
 import threading
 import time
 
+from . import contract
 from ._files import create_private, read_regular, write_atomically
 
-KEEP = 50
-REPORT_NAME = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9]{3}-[a-z][a-z_]*-[0-9]+\.json\Z")
-SCHEMA = 1
-_STACKS_PREFIX = "stacks-"
-_FATAL_PREFIX = "fatal-"
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "auth")
+# The folder, the names, KEEP, SCHEMA, pruning and argv redaction are the
+# contract with the watchdog (contract.py), which reads what is written here.
+from .contract import (KEEP, SCHEMA, prune, redact_argv, report_dir,  # noqa: F401
+                       report_name, report_names)
+
 _SAMPLING_FIELDS = (
     "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "repetition_context_size", "presence_penalty", "frequency_penalty", "xtc_probability",
@@ -53,16 +53,6 @@ _SAMPLING_FIELDS = (
 
 _started = time.time()
 _files = []  # keep the faulthandler files open for the life of the process
-
-
-def report_dir():
-    configured = os.environ.get("MLX_HOTFIX_REPORT_DIR", "").strip()
-    if configured:
-        return os.path.expanduser(configured)
-    if sys.platform == "darwin":
-        return os.path.expanduser("~/Library/Logs/mlx-watchdog/reports")
-    state = os.environ.get("XDG_STATE_HOME", "").strip() or os.path.expanduser("~/.local/state")
-    return os.path.join(state, "mlx-watchdog", "reports")
 
 
 def _ensure_dir(path):
@@ -104,25 +94,6 @@ def _format_stacks():
             "stack": "".join(traceback.format_stack(frame)),
         })
     return stacks
-
-
-def redact_argv(argv):
-    """Values of flags that look secret become '***' (--api-key K, --token=K)."""
-    out = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append("***")
-            hide_next = False
-            continue
-        flag, eq, _value = arg.partition("=")
-        secret = flag.startswith("-") and any(w in flag.lower() for w in _SECRET_WORDS)
-        if secret and eq:
-            out.append(flag + "=***")
-        else:
-            out.append(arg)
-            hide_next = secret
-    return out
 
 
 def request_shape(handler, frames=None):
@@ -228,7 +199,7 @@ def instance():
     argv = list(sys.argv)
     port = _flag(argv, "--port")
     return {
-        "name": os.environ.get("MLX_HOTFIX_INSTANCE", "").strip() or None,
+        "name": os.environ.get(contract.INSTANCE_ENV, "").strip() or None,
         "port": int(port) if port and port.isdigit() else None,
         "model": _flag(argv, "--model"),
     }
@@ -345,30 +316,6 @@ def write_json(directory, name, data):
     return path
 
 
-def report_name(kind, pid, when):
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
-    return "%s-%03d-%s-%d.json" % (stamp, int((when % 1) * 1000), kind, pid)
-
-
-def report_names(directory):
-    """The names of the reports in directory, oldest first (they start with their time).
-
-    Only names as reports are written (REPORT_NAME): other files are not ours.
-    """
-    return sorted(n for n in os.listdir(directory) if REPORT_NAME.match(n))
-
-
-def prune(directory, keep=KEEP, written=None):
-    """Keep the newest `keep` reports, and always `written` (the one just written)."""
-    names = [n for n in report_names(directory) if n != written]
-    room = max(0, keep - (1 if written else 0))
-    for name in names[:max(0, len(names) - room)]:
-        try:
-            os.unlink(os.path.join(directory, name))
-        except OSError:
-            pass
-
-
 def write_report(kind, *, exc=None, extra=None):
     """Write one report; its path, or None if it could not be written. Never raises.
 
@@ -410,11 +357,7 @@ def _count_repeat(directory, report):
     None when report is not the same start-up death."""
     if not report.get("during_startup"):
         return None
-    try:
-        names = sorted(n for n in os.listdir(directory)
-                       if n.endswith(".json") and not n.startswith("."))
-    except OSError:
-        return None
+    names = report_names(directory)
     if not names:
         return None
     path = os.path.join(directory, names[-1])
@@ -436,11 +379,11 @@ def _count_repeat(directory, report):
 
 
 def stacks_path(pid=None, directory=None):
-    return os.path.join(directory or report_dir(), "%s%d.txt" % (_STACKS_PREFIX, pid or os.getpid()))
+    return os.path.join(directory or report_dir(), contract.stacks_name(pid or os.getpid()))
 
 
 def fatal_path(pid=None, directory=None):
-    return os.path.join(directory or report_dir(), "%s%d.txt" % (_FATAL_PREFIX, pid or os.getpid()))
+    return os.path.join(directory or report_dir(), contract.fatal_name(pid or os.getpid()))
 
 
 def _pid_alive(pid):
@@ -462,7 +405,7 @@ def fold_fatal_files(directory=None, *, before_arming=False):
     directory = directory or report_dir()
     written = []
     for name in os.listdir(directory):
-        for prefix in (_FATAL_PREFIX, _STACKS_PREFIX):
+        for prefix in (contract.FATAL_PREFIX, contract.STACKS_PREFIX):
             if not (name.startswith(prefix) and name.endswith(".txt")):
                 continue
             digits = name[len(prefix):-4]
@@ -477,7 +420,7 @@ def fold_fatal_files(directory=None, *, before_arming=False):
             try:
                 text = read_regular(path, 1 << 20)
                 mtime = os.lstat(path).st_mtime
-                if prefix == _FATAL_PREFIX and text.strip():
+                if prefix == contract.FATAL_PREFIX and text.strip():
                     kind = "aborted" if "Aborted" in text else "wedged"
                     report = {
                         "schema": SCHEMA, "kind": kind, "time": mtime, "pid": pid,
@@ -556,11 +499,3 @@ def _cleanup(directory):
             os.unlink(fatal_path(directory=directory))
     except OSError:
         pass
-
-
-def count_reports(directory=None):
-    """How many reports the directory holds (for metrics)."""
-    try:
-        return len(report_names(directory or report_dir()))
-    except OSError:
-        return 0

@@ -14,8 +14,7 @@ NOTIFY_SOCKET is set)::
     n.watchdog_ping()               # every loop pass (rate-limited inside)
     n.status(why); n.stopping()     # just before the shim exits 70
 
-``notifier()`` returns one shared instance, for a manual check
-(``python sdnotify.py READY=1``) and for callers outside the shim.
+A manual check: ``python sdnotify.py READY=1``.
 
 Nothing here ever raises: a failed send returns False.
 """
@@ -23,7 +22,7 @@ Nothing here ever raises: a failed send returns False.
 import os
 import sys
 
-__all__ = ["SdNotifier", "notifier"]
+__all__ = ["SdNotifier"]
 
 
 def _monotonic():
@@ -179,16 +178,5 @@ def _one_line(text):
     return str(text).replace("\r", " ").replace("\n", " ")
 
 
-_shared = None
-
-
-def notifier():
-    """The process-wide SdNotifier, created from os.environ on first use."""
-    global _shared
-    if _shared is None:
-        _shared = SdNotifier()
-    return _shared
-
-
 if __name__ == "__main__":  # pragma: no cover - manual check: python sdnotify.py READY=1
-    print(notifier().notify("\n".join(sys.argv[1:]) or "READY=1"))
+    print(SdNotifier().notify("\n".join(sys.argv[1:]) or "READY=1"))

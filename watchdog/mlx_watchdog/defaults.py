@@ -4,8 +4,11 @@ The CLI, the config file and the library classes read these from here, so
 `mlx-watchdog supervise --help`, a watch config and the README agree. Paths
 that depend on the platform (the state file, the report folder) are computed
 where they are used (state.py, reports.py); the shim keeps its own defaults
-(sitecustomize/mlx_hotfix/config.py).
+(sitecustomize/mlx_hotfix/config.py). The names shared with the shim come
+from its contract module (contract.py).
 """
+
+from . import contract
 
 URL = "http://127.0.0.1:8080"
 HOST = "127.0.0.1"  # mlx_lm.server's own default --host
@@ -40,7 +43,7 @@ STOP_GRACE_S = 30.0
 # long for the shim's drain (MLX_HOTFIX_DRAIN_TIMEOUT, the shim's default)
 # plus a margin, then goes on as a normal stop (SIGTERM again, the grace, SIGKILL).
 DRAIN_TIMEOUT_S = 25.0
-DRAIN_TIMEOUT_ENV = "MLX_HOTFIX_DRAIN_TIMEOUT"  # read by the hotfix shim
+DRAIN_TIMEOUT_ENV = contract.DRAIN_TIMEOUT_ENV  # read by the hotfix shim
 DRAIN_MARGIN_S = 5.0
 STACKS_WAIT_S = 2.0  # after SIGUSR1, wait this long for the server's stacks file
 ACTION_TIMEOUT_S = 60.0  # launchctl / systemctl / a restart command
@@ -53,17 +56,17 @@ RESTART_WINDOW_S = 300.0
 METRICS_HOST = "127.0.0.1"
 LOG_FORMAT = "text"
 API_KEY_ENV = "MLX_WATCHDOG_API_KEY"
-HEARTBEAT_ENV = "MLX_HOTFIX_HEARTBEAT_FILE"  # read by the hotfix shim
+HEARTBEAT_ENV = contract.HEARTBEAT_FILE_ENV  # read by the hotfix shim
 # Sent with every probe request (value "1"): the shim keeps such requests out
 # of the server's log and throughput counters (patches/heartbeat.py), and its
 # admission part never refuses one nor queues it behind waiting clients.
 PROBE_HEADER = "X-MLX-Watchdog-Probe"
 BUSY_ERROR_TYPE = "server_busy"  # the shim's 503 when it sheds load (admission)
-SHIM_EXIT_CODE = 70  # the hotfix shim exits with this when the generation thread dies
-REPORT_DIR_ENV = "MLX_HOTFIX_REPORT_DIR"  # crash reports; read by the shim too
+SHIM_EXIT_CODE = contract.EXIT_CODE  # the hotfix shim exits with this when the generation thread dies
+REPORT_DIR_ENV = contract.REPORT_DIR_ENV  # crash reports; read by the shim too
 # The instance's name, for the shim's crash reports (several instances share a
 # report folder); supervise and install set it.
-INSTANCE_ENV = "MLX_HOTFIX_INSTANCE"
+INSTANCE_ENV = contract.INSTANCE_ENV
 
 # Installing
 MANAGERS = ("launchd", "systemd")  # the service managers `install` writes for

@@ -33,9 +33,9 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import click
 
-from .defaults import HEARTBEAT_ENV, HOST, PORT
+from .defaults import HEARTBEAT_ENV, HOST, PORT, REPORT_DIR_ENV
 from .log import colour_wanted
-from .shim import shim_dir
+from .shim import load_shim_file, shim_dir
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SYMBOLS = {OK: "✓", WARN: "!", FAIL: "✗"}
@@ -106,11 +106,7 @@ print("MLX-DOCTOR " + json.dumps(out))
 
 
 def _pairings():
-    path = shim_dir() / "mlx_hotfix" / "pairings.py"
-    spec = importlib.util.spec_from_file_location("mlx_watchdog_pairings", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_shim_file("pairings")
 
 
 def default_python(environ: Mapping[str, str]) -> Tuple[Optional[str], str]:
@@ -264,7 +260,7 @@ def folders_group(ctx: Context) -> Group:
     from .reports import report_dir
 
     group = Group("Files")
-    folders = {"crash reports": report_dir(ctx.environ.get("MLX_HOTFIX_REPORT_DIR") or None)}
+    folders = {"crash reports": report_dir(ctx.environ.get(REPORT_DIR_ENV) or None)}
     if ctx.environ.get(HEARTBEAT_ENV):
         folders["heartbeat"] = Path(ctx.environ[HEARTBEAT_ENV]).parent
     for label, folder in folders.items():

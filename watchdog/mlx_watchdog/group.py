@@ -40,11 +40,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from . import defaults
+from . import contract, defaults
 from .heartbeat import HeartbeatReading, HeartbeatTracker, read_record
 from .redact import printable
 from .safefile import read_regular
@@ -369,9 +370,10 @@ def unreachable_hosts(hosts: Sequence[str], *, run: Runner = subprocess.run,
 
 
 def rank_heartbeat_files(path: "str | os.PathLike[str]") -> List[str]:
-    """The heartbeat files of ranks N>0 next to rank 0's (`<path>.rankN`)."""
+    """The heartbeat files of ranks N>0 next to rank 0's (`<path>.rankN`, the
+    contract's rank_file)."""
     pattern = glob.escape(str(path)) + ".rank*"
-    return sorted(p for p in glob.glob(pattern) if re.search(r"\.rank\d+$", p))
+    return sorted(p for p in glob.glob(pattern) if contract.RANK_FILE.search(p))
 
 
 def clear_heartbeats(path: "str | os.PathLike[str]") -> None:
@@ -453,12 +455,15 @@ def prepare(argv: Sequence[str], env: Dict[str, str], *, private_dir: "str | os.
     command = localized(command, private_dir)
     if not command.remote_hosts:
         return command
-    # The shim's settings, but not the heartbeat file: its folder is on this host.
-    # What the command itself passes with --env stands (it comes first: ours
-    # would win), but the shim goes in front of its PYTHONPATH.
+    # The shim's settings, but not the heartbeat file nor the report folder:
+    # their folders are on this host (a remote rank writes its reports into
+    # its own host's default folder). What the command itself passes with
+    # --env stands (it comes first: ours would win), but the shim goes in
+    # front of its PYTHONPATH.
     own = command.launch_env()
+    local_only = (defaults.HEARTBEAT_ENV, defaults.REPORT_DIR_ENV)
     forwarded = {k: v for k, v in env.items()
-                 if ((k.startswith("MLX_HOTFIX_") and k != defaults.HEARTBEAT_ENV)
+                 if ((k.startswith(contract.ENV_PREFIX) and k not in local_only)
                      or k == "HF_HUB_OFFLINE") and k not in own}
     if not shim:
         return command.with_env(forwarded)
@@ -501,7 +506,6 @@ def run_group(argv: Sequence[str], env: Mapping[str, str], *,
         print(f"mlx-watchdog: cannot run {argv[0]!r}: {exc.strerror or exc}", file=out)
         return 127
     asked: List[int] = []
-    done = threading.Event()
 
     def stop(signum, _frame):
         asked.append(signum)
@@ -524,8 +528,9 @@ def run_group(argv: Sequence[str], env: Mapping[str, str], *,
         # (it leaves them all when it is killed) goes with it.
         _signal_group(launcher.pid, signal.SIGTERM)
         for _ in range(int(min(stop_grace_s, 5.0) / 0.1)):
-            if not _group_alive(launcher.pid) or done.wait(0.1):
+            if not _group_alive(launcher.pid):
                 break
+            time.sleep(0.1)
         _signal_group(launcher.pid, signal.SIGKILL)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

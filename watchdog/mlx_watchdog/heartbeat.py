@@ -26,11 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
+from . import contract
 from .safefile import read_regular
 
-LOADING = "loading"
-SERVING = "serving"
-STALLED = "stalled"
+LOADING, SERVING, STALLED = contract.LOADING, contract.SERVING, contract.STALLED
 _MAX_BYTES = 4096
 
 
@@ -82,7 +81,7 @@ def parse_heartbeat(data: Optional[Dict[str, Any]]) -> Optional[Heartbeat]:
     """The heartbeat in a record read by read_record (None: none in it)."""
     if not isinstance(data, dict):
         return None
-    pid, beats, stamp, phase = (data.get(k) for k in ("pid", "beats", "time", "phase"))
+    pid, beats, stamp, phase = (data.get(k) for k in contract.HEARTBEAT_REQUIRED)
     if not (_is_int(pid) and _is_int(beats) and isinstance(phase, str)):
         return None
     if not _is_number(stamp):

@@ -81,7 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from . import defaults
+from . import contract, defaults
 from .heartbeat import LOADING, STALLED, HeartbeatReading
 from .probe import UNREACHABLE, ProbeResult
 
@@ -94,17 +94,18 @@ DOWN = "down"
 CRASH_LOOPING = "crash-looping"
 STATES = (STARTING, HEALTHY, BUSY, FAILING, WEDGED, DOWN, CRASH_LOOPING)
 
-# Causes of a restart: short, fixed strings (they label metrics).
-NOT_RUNNING = "not-running"
-UNREACHABLE_CAUSE = "unreachable"
-DEAD_THREAD = "dead-thread"
-HEARTBEAT_STALE = "heartbeat-stale"
-NO_PROGRESS = "no-progress"
-BAD_ANSWER = "bad-answer"
-BUSY_TOO_LONG = "busy-too-long"
-STALLED_CAUSE = "stalled"  # requests in flight, nothing delivered (shim heartbeat)
-EXITED = "exited"  # the process was seen to exit (a supervised child)
-PORT_TAKEN = "port-taken"  # another process holds the server's port
+# Causes of a restart: short, fixed strings (they label metrics and alerts),
+# the contract's vocabulary (contract.RESTART_CAUSES).
+NOT_RUNNING = contract.NOT_RUNNING
+UNREACHABLE_CAUSE = contract.UNREACHABLE
+DEAD_THREAD = contract.DEAD_THREAD
+HEARTBEAT_STALE = contract.HEARTBEAT_STALE
+NO_PROGRESS = contract.NO_PROGRESS
+BAD_ANSWER = contract.BAD_ANSWER
+BUSY_TOO_LONG = contract.BUSY_TOO_LONG
+STALLED_CAUSE = contract.STALLED_CAUSE  # requests in flight, nothing delivered (shim heartbeat)
+EXITED = contract.EXITED  # the process was seen to exit (a supervised child)
+PORT_TAKEN = contract.PORT_TAKEN  # another process holds the server's port
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ class Metrics:
         )
         self.crash_reports = Counter(
             "mlx_watchdog_crash_reports",
-            "Crash reports (*.json) that appeared in the instance's report folder.",
+            "Crash reports that appeared in the instance's report folder.",
             ["instance"],
             registry=self.registry,
         )

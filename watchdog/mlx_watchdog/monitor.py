@@ -18,7 +18,7 @@ from typing import Any, Callable, Deque, Dict, Optional, Protocol, Tuple
 from .act import ActionResult, restart_planned
 from .policy import RestartPolicy
 from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
-from . import judge as judge_module
+from . import contract
 from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
 from .metrics import Metrics
@@ -30,15 +30,11 @@ from .throughput import ReportWatcher, ThroughputTracker
 
 # A restart nothing was wrong for (`mlx-watchdog restart`; later the memory
 # guard): the server drains first; counted apart from the judge's causes.
-PLANNED = "planned"
+PLANNED = contract.PLANNED
 
-# Restart causes whose counters exist (at zero) from the start.
-RESTART_CAUSES = tuple(
-    getattr(judge_module, name)
-    for name in ("NOT_RUNNING", "UNREACHABLE_CAUSE", "DEAD_THREAD", "HEARTBEAT_STALE",
-                 "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED_CAUSE")
-    if isinstance(getattr(judge_module, name, None), str)
-) + (PLANNED,)
+# Restart causes whose counters exist (at zero) from the start: the judge's
+# and PLANNED, the contract's vocabulary.
+RESTART_CAUSES = contract.RESTART_CAUSES
 
 PlannedDone = Callable[[ActionResult], None]
 

@@ -556,7 +556,8 @@ def _tls_context(cacert: Optional[str] = None) -> ssl.SSLContext:
     """The system's trust store (which honours SSL_CERT_FILE and
     SSL_CERT_DIR), or cacert alone when given.
 
-    certifi, when installed, is added to the system store, not put in its
+    certifi (a declared dependency; still optional here, so a trimmed install
+    works) is added to the system store, not put in its
     place: on a macOS python.org build the system store of OpenSSL may be
     empty, while a private CA lives in SSL_CERT_FILE or the system store.
     When SSL_CERT_FILE or SSL_CERT_DIR is set, that is what the user chose:

@@ -6,7 +6,9 @@ import json
 from typing import Any, Optional, Set
 from urllib.parse import urlsplit, urlunsplit
 
-MASK = "***"
+from . import contract
+
+MASK = contract.MASK
 
 # Every secret the process knows about; the log formatters scrub these as a
 # last line of defence, in case one slips into a message.
@@ -106,22 +108,10 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 def printable(text: Any) -> str:
     """str(text) with every control character escaped, newlines and tabs too."""
     return str(text).translate(_CONTROLS)
-_SECRET_WORDS = ("key", "token", "secret", "password", "passwd", "auth")
 
 
 def redact_argv(argv: "list[str]") -> "list[str]":
-    """Values of flags that look secret become *** (--api-key K, --token=K)."""
-    out, hide_next = [], False
-    for arg in argv:
-        if hide_next:
-            out.append(MASK)
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        secret_flag = flag.startswith("-") and any(w in flag.lower() for w in _SECRET_WORDS)
-        if secret_flag and eq:
-            out.append(f"{flag}={MASK}")
-        else:
-            out.append(scrub(arg))
-            hide_next = secret_flag
-    return out
+    """Values of flags that look secret become *** (--api-key K, --token=K), as
+    the shim redacts its reports' argv (the contract's SECRET_WORDS); known
+    secrets elsewhere are scrubbed."""
+    return contract.redact_argv(argv, scrub)

@@ -1,7 +1,8 @@
 """Crash reports on the watchdog's side: stacks before a kill, and reading.
 
 The hotfix shim writes reports into its report dir (see
-sitecustomize/mlx_hotfix/reports.py; same directory rules here) and arms
+sitecustomize/mlx_hotfix/reports.py; the folder, the file names, KEEP,
+SCHEMA and pruning are the shim's contract module's, contract.py) and arms
 faulthandler so that SIGUSR1 dumps every thread's stack into
 ``stacks-<pid>.txt`` there. Before the watchdog stops a wedged server it calls
 ``capture_stacks``: SIGUSR1 (only to a pid whose stacks file exists: without
@@ -18,39 +19,30 @@ import json
 import os
 import platform
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from . import __version__, defaults
+from . import __version__, contract, defaults
 from .heartbeat import read_record
 from .redact import printable
 from .state import printable_lines
 from .safefile import open_regular, read_regular, write_atomically
 
-KEEP = 50
-SCHEMA = 1
+KEEP = contract.KEEP
+SCHEMA = contract.SCHEMA
+report_name = contract.report_name
 
 
 def report_dir(configured: "Optional[str | os.PathLike[str]]" = None) -> Path:
     """Where reports live: configured, $MLX_HOTFIX_REPORT_DIR, or the default."""
-    configured = configured or os.environ.get(defaults.REPORT_DIR_ENV, "").strip()
     if configured:
         return Path(os.path.expanduser(os.fspath(configured)))
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Logs" / "mlx-watchdog" / "reports"
-    state = os.environ.get("XDG_STATE_HOME", "").strip() or os.path.expanduser("~/.local/state")
-    return Path(state) / "mlx-watchdog" / "reports"
+    return Path(contract.report_dir())
 
 
 def stacks_file(directory: Path, pid: int) -> Path:
-    return directory / f"stacks-{pid}.txt"
-
-
-def report_name(kind: str, pid: int, when: float) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
-    return "%s-%03d-%s-%d.json" % (stamp, int((when % 1) * 1000), kind, pid)
+    return directory / contract.stacks_name(pid)
 
 
 def write_report(directory: Path, report: Dict[str, Any], keep: int = KEEP) -> Optional[Path]:
@@ -66,31 +58,14 @@ def write_report(directory: Path, report: Dict[str, Any], keep: int = KEEP) -> O
         return None
 
 
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
-
-
 def prune(directory: Path, keep: int = KEEP) -> None:
-    names = sorted(report_files(directory))
-    for path in names[:-keep] if keep else names:
-        with _quiet():
-            path.unlink()
+    """Keep the newest `keep` reports; other files in the folder are not ours."""
+    contract.prune(directory, keep)
 
 
 def report_files(directory: Path) -> List[Path]:
-    try:
-        return [p for p in directory.iterdir() if p.suffix == ".json" and not p.name.startswith(".")]
-    except OSError:
-        return []
-
-
-def count_reports(directory: "Optional[str | os.PathLike[str]]" = None) -> int:
-    """How many reports the directory holds (for a metrics counter)."""
-    return len(report_files(report_dir(directory)))
+    """The reports in directory, oldest first: only report names (REPORT_NAME)."""
+    return [directory / name for name in contract.report_names(directory)]
 
 
 def _read_new(path: Path, offset: int) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
-from typing import Mapping, MutableMapping, Optional
+from typing import Any, Mapping, MutableMapping, Optional
 
 PYTHONPATH = "PYTHONPATH"
 
@@ -44,3 +44,14 @@ def with_shim(env: Optional[Mapping[str, str]] = None) -> MutableMapping[str, st
     result[PYTHONPATH] = os.pathsep.join(parts)
     return result
 
+
+
+def load_shim_file(name: str) -> Any:
+    """The drop-in's mlx_hotfix/<name>.py, loaded by path as a standalone
+    module (its data and plain functions): the watchdog never imports
+    mlx_hotfix as a package, whose import would arm the shim's hooks."""
+    path = shim_dir() / "mlx_hotfix" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"mlx_watchdog_shim_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

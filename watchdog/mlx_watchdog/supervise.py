@@ -45,7 +45,7 @@ from typing import Callable, List, Mapping, Optional, Sequence
 
 import psutil
 
-from . import defaults, held_socket, reports
+from . import contract, defaults, held_socket, reports
 from .act import ActionResult
 from .compose import build_monitor
 from .config import InstanceConfig
@@ -169,7 +169,7 @@ class Child:
             pass
 
 
-PARENT_PID_ENV = "MLX_HOTFIX_PARENT_PID"  # the shim exits when this process is gone
+PARENT_PID_ENV = contract.PARENT_PID_ENV  # the shim exits when this process is gone
 
 
 SERVER_PREFIX = b"[server] "  # on every line of the child's output, in the watchdog's log

@@ -1,7 +1,7 @@
 """Throughput from the shim's heartbeat counters, and crash reports in a folder.
 
 The shim's heartbeat file (see heartbeat.py) also carries per-process counters
-(branch i8's contract): prompt_tokens (prompt-progress deliveries),
+(contract.HEARTBEAT_FIELDS): prompt_tokens (prompt-progress deliveries),
 decode_tokens (generated tokens), requests, cancelled, and the in_flight
 gauge; with the admission part also rejected_queue_full,
 rejected_queue_timeout and deadline_stops, and the queued and running
@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Deque, Dict, Mapping, Optional, Tuple
+
+from . import contract
 
 # heartbeat field -> what we call it (metric names, the status record)
 COUNTERS = {
@@ -154,8 +156,9 @@ class ReportScan:
 
 
 class ReportWatcher:
-    """Counts crash reports (*.json) appearing in a folder: those of one
-    instance when `instance` is given (several instances may share a folder).
+    """Counts crash reports (report names: contract.REPORT_NAME) appearing in
+    a folder: those of one instance when `instance` is given (several
+    instances may share a folder).
 
     A report names its instance (`instance`: name, port, model; see
     reports.instance_field and the shim's reports.instance()): it is ours
@@ -179,7 +182,7 @@ class ReportWatcher:
         try:
             with os.scandir(self.folder) as entries:
                 for entry in entries:
-                    if entry.name.endswith(".json") and not entry.name.startswith("."):
+                    if contract.REPORT_NAME.match(entry.name):
                         try:
                             names[entry.name] = entry.stat().st_mtime
                         except OSError:

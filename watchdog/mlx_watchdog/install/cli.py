@@ -50,8 +50,9 @@ systemd: ~/.config/systemd/user/NAME-{{server,watchdog}}.service (--system:
   WatchdogSec={systemd.WATCHDOG_SEC}, TimeoutStartSec={systemd.TIMEOUT_START_SEC},
   Restart=on-failure, RestartSec={systemd.RESTART_SEC}, and no start limit
   (StartLimitIntervalSec={systemd.START_LIMIT_INTERVAL_SEC}): it is never left failed
-  for good; the watchdog backs its own restarts off ({d.BACKOFF_INITIAL_S:g} s doubling
-  to {d.BACKOFF_MAX_S:g} s). NAME-server.socket holds the listening socket
+  for good. The watchdog restarts a server that served at once, and backs off
+  only starts that never serve ({d.BACKOFF_INITIAL_S:g} s doubling to
+  {d.BACKOFF_MAX_S:g} s). NAME-server.socket holds the listening socket
   (--no-socket: none).
 
 \b

@@ -152,6 +152,17 @@ class Instance:
         return self.layout.state_dir / f"{self.name}.heartbeat"
 
     @property
+    def report_dir(self) -> Path:
+        """The crash-report folder, given to the server and the watchdog alike
+        (MLX_HOTFIX_REPORT_DIR): run as different users, each would otherwise
+        default to its own home's, and the watchdog's stacks before a kill
+        would find no stacks file. The platform's default folder for the
+        installing user (launchd: ~/Library/Logs/mlx-watchdog/reports;
+        systemd --user: $XDG_STATE_HOME/mlx-watchdog/reports; --system:
+        /var/lib/mlx-watchdog/reports, in the server's StateDirectory)."""
+        return (self.layout.log_dir or self.layout.state_dir) / "reports"
+
+    @property
     def url(self) -> str:
         return probe_url(self.host, self.port)
 
@@ -185,6 +196,7 @@ class Instance:
         env = {
             "PYTHONPATH": self.shim_dir,
             defaults.HEARTBEAT_ENV: str(self.heartbeat_file),
+            defaults.REPORT_DIR_ENV: str(self.report_dir),
             # Service logs (a file or the journal): do not hold output in a buffer.
             "PYTHONUNBUFFERED": "1",
         }
@@ -201,7 +213,7 @@ class Instance:
         return watch_command(self.launcher, self.config_path)
 
     def watchdog_env(self) -> Dict[str, str]:
-        return {"PYTHONUNBUFFERED": "1"}
+        return {"PYTHONUNBUFFERED": "1", defaults.REPORT_DIR_ENV: str(self.report_dir)}
 
 
 def listen_address(host: str) -> Tuple[str, str]:

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional
 
-from .. import defaults
+from .. import contract, defaults
 from .instance import LABEL_PREFIX, MARKER, Instance, Layout, watchdog_config_toml
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,7 +75,7 @@ def server_plist(inst: Instance) -> dict:
     env = inst.server_env()
     sockets = {}
     if inst.held_socket:
-        env["MLX_HOTFIX_LAUNCHD_SOCKET"] = SOCKET_NAME
+        env[contract.LAUNCHD_SOCKET_ENV] = SOCKET_NAME
         sockets["Sockets"] = {SOCKET_NAME: socket_entry(inst)}
     return _job(
         inst, server_label(inst.name), inst.server_argv(), env, inst.name,

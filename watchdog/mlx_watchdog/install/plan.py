@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import click
 
-from .. import defaults
+from .. import contract, defaults
 from . import hostcheck
 from .backend import ServiceBackend, backend_for, default_layout
 from .instance import (FlagError, Instance, check_name, check_user_name, default_name,
@@ -62,10 +62,11 @@ def _check_server_args(server_args: Sequence[str]) -> None:
 
 
 # Set by install itself: an --env may not change where the shim comes from or
-# where its heartbeat goes, or the watchdog would judge another server; nor
-# which launchd socket the server asks for (the plist's own Sockets entry).
+# where its heartbeat and reports go, or the watchdog would judge another
+# server or look for stacks in another folder; nor which launchd socket the
+# server asks for (the plist's own Sockets entry).
 _RESERVED_ENV = ("PYTHONPATH", defaults.HEARTBEAT_ENV, defaults.INSTANCE_ENV,
-                 "MLX_HOTFIX_LAUNCHD_SOCKET")
+                 defaults.REPORT_DIR_ENV, contract.LAUNCHD_SOCKET_ENV)
 
 
 def _check_server_env(assignments: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
