@@ -200,8 +200,8 @@ def test_a_gpu_fault_exits_70_where_a_slice_error_is_recovered_in_place(
     assert ("mlx-hotfix: not recovering in place: gpu-timeout (a GPU command buffer ran past the "
             "macOS GPU watchdog) is a GPU fault; only a new process recovers from it") in lines
     assert sum("recovering in place (" in line for line in lines) == 1, lines  # the slice's
-    assert lines[-1].startswith("mlx-hotfix: generation thread died: RuntimeError: [METAL] "
-                                "Command buffer execution failed: Caused GPU Timeout Error"), lines
+    assert lines[-1].startswith("mlx-hotfix: generation thread died: gpu-timeout: RuntimeError: "
+                                "[METAL] Command buffer execution failed: Caused GPU Timeout Error"), lines
     assert lines[-1].endswith("; exiting 70"), lines
     assert server.log().count(LOAD_LINE) == 1
     kinds = sorted(name.split("-")[3] for name in os.listdir(reports) if name.endswith(".json"))
