@@ -324,7 +324,9 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     restarts = str(count)
     if isinstance(restart, dict):
         failed = "" if restart.get("ok") else ", FAILED"
-        restarts += f" ({restart.get('cause')} {_ago(now, restart.get('time'))}{failed})"
+        death = restart.get("death_cause")
+        why = f"{restart.get('cause')}: {death}" if isinstance(death, str) else restart.get("cause")
+        restarts += f" ({why} {_ago(now, restart.get('time'))}{failed})"
     server = record.get("server")
     decode = "-"
     if isinstance(server, dict):
@@ -342,7 +344,8 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     newest = "-"
     if isinstance(report, dict) and report.get("file"):
         newest = f"{os.path.basename(str(report['file']))} {_ago(now, report.get('time'))}"
-    return (f"{state} {since}", good, restarts, decode, newest)
+    attention = ", needs attention" if isinstance(record.get("needs_attention"), dict) else ""
+    return (f"{state} {since}{attention}", good, restarts, decode, newest)
 
 
 def _details(
@@ -367,6 +370,10 @@ def _details(
             # Shown even while healthy: a known-bad install dies on the first
             # request; a server without the shim would never exit on a death.
             lines.insert(0, f"  WARNING: {' '.join(warning.split())}")
+    attention = record.get("needs_attention")
+    if isinstance(attention, dict):  # a restart cannot fix it: a person must
+        said = attention.get("message") or f"needs attention: {attention.get('cause')}"
+        lines.insert(0, f"  {said} (since {_ago(now, attention.get('since'))})")
     if (state in _CALM or state == STOPPED) and not lines:
         return []
     since = _ago(now, record.get("since"), suffix="")
@@ -390,6 +397,15 @@ def _details(
             f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
             f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
         )
+    death = record.get("last_death")
+    if isinstance(death, dict) and death.get("cause"):
+        head.append(f"  last death: {death.get('cause')} ({death.get('title')}), "
+                    f"{_ago(now, death.get('time'))}")
+        if death.get("cause") != "unknown" or death.get("remedy"):
+            head.append(f"    remedy: {death.get('remedy')}")
+        source = death.get("source")
+        if isinstance(source, str) and source not in ("", "-"):
+            head.append(f"    upstream: {source}")
     report = record.get("newest_report")
     if isinstance(report, dict) and report.get("file"):
         head.append(f"  newest report: {report['file']}")
