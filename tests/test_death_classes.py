@@ -140,8 +140,7 @@ def test_three_starts_that_a_restart_cannot_fix_need_attention_until_one_serves(
         assert policy.at_cap and policy.backoff_s() == 60.0
     said = [r.getMessage() for r in caplog.records if "needs attention" in r.getMessage()]
     assert len(said) == 1 and "run the mlx-lm release" in said[0], said  # once, not each time
-    assert ('mlx_watchdog_needs_attention{cause="config-missing-parameters",instance="test"} 1.0'
-            in _metrics(supervisor))
+    assert 'mlx_watchdog_needs_attention{instance="test"} 1.0' in _metrics(supervisor)
     record = json.loads(json.dumps(supervisor.monitor.record()))  # as the state file has it
     assert record["needs_attention"]["cause"] == "config-missing-parameters"
     assert "needs attention" in format_status({"instances": {"test": record}},
@@ -151,8 +150,7 @@ def test_three_starts_that_a_restart_cannot_fix_need_attention_until_one_serves(
     probes.next = GOOD
     assert supervisor.tick().state == HEALTHY
     assert supervisor.monitor.record()["needs_attention"] is None and not policy.at_cap
-    assert ('mlx_watchdog_needs_attention{cause="config-missing-parameters",instance="test"} 0.0'
-            in _metrics(supervisor))
+    assert 'mlx_watchdog_needs_attention{instance="test"} 0.0' in _metrics(supervisor)
     assert any("no longer needs attention" in r.getMessage() for r in caplog.records)
 
 

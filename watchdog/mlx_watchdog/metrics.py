@@ -22,7 +22,6 @@ _REJECTED = {"rejected_queue_full": "queue_full", "rejected_queue_timeout": "que
 class Metrics:
     def __init__(self, registry: Optional[CollectorRegistry] = None):
         self.registry = registry or CollectorRegistry()
-        self._attention: "dict[str, set[str]]" = {}  # causes with a needs_attention series
         self.probe_latency = Histogram(
             "mlx_watchdog_probe_latency_seconds",
             "How long each probe took, failed ones included.",
@@ -49,8 +48,8 @@ class Metrics:
             "mlx_watchdog_needs_attention",
             "1 while the instance needs attention: it died of a class a restart cannot "
             "fix (a configuration error) on 3 starts in a row; restarts go on at the "
-            "backoff cap. The cause label is the class.",
-            ["instance", "cause"],
+            "backoff cap. `mlx-watchdog status` names the class and the remedy.",
+            ["instance"],
             registry=self.registry,
         )
         # One series per state, 1 for the current one and 0 for the others,
@@ -128,6 +127,7 @@ class Metrics:
         self.crash_reports.labels(instance)
         for cause in causes:
             self.restarts.labels(instance, cause, NO_DEATH)
+        self.needs_attention.labels(instance).set(0)
 
     def observe_throughput(self, instance: str, reading: ThroughputReading) -> None:
         for name, increment in reading.increments.items():
@@ -161,11 +161,7 @@ class Metrics:
 
     def attention(self, instance: str, cause: Optional[str]) -> None:
         """The instance needs attention for cause (None: it does not any more)."""
-        for labels in list(self._attention.get(instance, ())):
-            self.needs_attention.labels(instance, labels).set(0)
-        if cause:
-            self._attention.setdefault(instance, set()).add(cause)
-            self.needs_attention.labels(instance, cause).set(1)
+        self.needs_attention.labels(instance).set(1 if cause else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
