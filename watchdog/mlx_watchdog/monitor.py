@@ -308,18 +308,19 @@ class Monitor:
         if not decision.allowed:
             reason = f"{verdict.reason}; {decision.reason}"
             return replace(verdict, restart=False, reason=reason)
-        self.events.warning(
-            "restart",
-            f"restarting: {verdict.reason}" + (f" ({decision.reason})" if decision.reason else ""),
-            state=verdict.state,
-            cause=verdict.cause,
-            restarts_in_a_row=self.policy.restarts_in_a_row,
-        )
         death = self._restart_death
         self._restart_death = None
         if death is None:  # not after a death (a hang): no run of unfixable deaths
             self._note_attention(self.attention.observe(None))
             death = "unknown" if verdict.cause == judge_module.DEAD_THREAD else None
+        self.events.warning(
+            "restart",
+            f"restarting: {verdict.reason}" + (f" ({decision.reason})" if decision.reason else ""),
+            state=verdict.state,
+            cause=verdict.cause,
+            death_cause=death,
+            restarts_in_a_row=self.policy.restarts_in_a_row,
+        )
         result = self.action.restart(verdict.reason)
         self.policy.record_restart(now)
         if result.ok:
