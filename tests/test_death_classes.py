@@ -163,3 +163,29 @@ def test_a_death_a_restart_can_fix_breaks_the_run(tmp_path):
         _dies_of(supervisor, tmp_path, cause)
         _until_restarted(supervisor, spawner, clock)
     assert supervisor.monitor.record()["needs_attention"] is None
+
+
+def test_a_supervised_groups_ring_failure_names_the_rank_and_host_that_failed(tmp_path):
+    """An mlx.launch child: the survivors' own lines (the shim's death line,
+    prefixed with their rank and host) name the one rank that did not report."""
+    supervisor, spawner, *_ = make(tmp_path)
+    supervisor.command = ["mlx.launch", "--backend", "ring", "--hosts",
+                          "studio-1,studio-2,studio-3", "--", "mlx_lm.server", "--port", "8080"]
+    supervisor.start()
+    supervisor.tick()
+    child = supervisor.child
+    child.output_tail = lambda: (
+        "mlx-hotfix: [rank 0 on studio-1] generation thread died: ring-peer-lost: RuntimeError: "
+        "[ring] connection to a peer was lost; exiting 70\n"
+        "mlx-hotfix: [rank 2 on studio-3] generation thread died: ring-peer-lost: RuntimeError: "
+        "[ring] connection to a peer was lost; exiting 70\n")
+    child.code = 70
+    supervisor.tick()
+    death = supervisor.monitor.record()["last_death"]
+    assert death["cause"] == "ring-peer-lost"
+    assert death["detail"]["failed_rank"] == 1 and death["detail"]["failed_host"] == "studio-2"
+    assert death["detail"]["reported_by"] == [0, 2]
+    text = format_status({"instances": {"g": dict(supervisor.monitor.record(), updated=1e9,
+                                                  interval_s=5)}},
+                         now=1e9, pid_alive=lambda pid: True)
+    assert "failed_host=studio-2" in text and "failed_rank=1" in text, text

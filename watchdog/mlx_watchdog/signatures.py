@@ -90,15 +90,23 @@ def classify_exit(returncode: Optional[int], *, texts: Iterable[Optional[str]] =
 
 def cause_of_exit(returncode: Optional[int], death: Optional[Mapping[str, Any]] = None, *,
                   pid: Optional[int] = None, output: Optional[str] = None,
-                  find_oom: Optional[Any] = None) -> Any:
+                  find_oom: Optional[Any] = None,
+                  hosts: Optional[Sequence[str]] = None) -> Any:
     """The class of a supervised child's exit, from the best evidence there is:
     the shim's own word (the heartbeat's ``death``: its ``cause``, else its
     summary), then the tail of the child's output, then how it ended (a
     SIGKILL is ``killed``, with the kernel's OOM-killer record of pid where
     the kernel's log can be read: find_oom(pid), oomkill.find_oom_kill by
-    default). Never raises."""
+    default). hosts: a group's hosts in rank order (an mlx.launch child):
+    a group class then names the rank and host that failed, from the
+    survivors' lines in output (group_failure). Never raises."""
     module = table()
     try:
+        if hosts is not None and output:
+            match = group_failure(output, hosts)
+            if match.entry.group:
+                match.detail.setdefault("exit_code", returncode)
+                return match
         texts = []
         if death:
             cause = death.get("cause")

@@ -401,7 +401,10 @@ def _details(
     if isinstance(death, dict) and death.get("cause"):
         head.append(f"  last death: {death.get('cause')} ({death.get('title')}), "
                     f"{_ago(now, death.get('time'))}")
-        if death.get("cause") != "unknown" or death.get("remedy"):
+        known = death.get("detail")
+        if isinstance(known, dict) and known:  # a group's failed rank and host, say
+            head.append("    known: " + ", ".join(f"{k}={v}" for k, v in sorted(known.items())))
+        if death.get("remedy"):
             head.append(f"    remedy: {death.get('remedy')}")
         source = death.get("source")
         if isinstance(source, str) and source not in ("", "-"):

@@ -438,7 +438,8 @@ class Supervisor:
             self._exit = describe_exit(code, self.shim, death)
             tail = getattr(self.child, "output_tail", None)
             match = cause_of_exit(code, death, pid=self.child.pid,
-                                  output=tail() if tail is not None else None)
+                                  output=tail() if tail is not None else None,
+                                  hosts=self._group_hosts())
             self.last_death = death_record(match, pid=self.child.pid, exit_code=code,
                                            time=self._wall_clock())
             # Asked to stop, the child's exit is what we wanted: no warning.
@@ -447,6 +448,16 @@ class Supervisor:
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
+
+    def _group_hosts(self) -> Optional[List[str]]:
+        """The hosts of an mlx.launch child, in rank order (None: not a group)."""
+        try:
+            from .group import parse_launch
+
+            command = parse_launch(self.command)
+        except Exception:  # noqa: BLE001 - a hostfile gone since the start: no names
+            return None
+        return None if command is None else [host.ssh for host in command.hosts]
 
     def restart(self, reason: str, *, planned: bool = False) -> ActionResult:
         """Stop the child (if any), start a new one (ChildRestart).
