@@ -189,3 +189,41 @@ def test_a_supervised_groups_ring_failure_names_the_rank_and_host_that_failed(tm
                                                   interval_s=5)}},
                          now=1e9, pid_alive=lambda pid: True)
     assert "failed_host=studio-2" in text and "failed_rank=1" in text, text
+
+
+def test_watch_learns_each_death_from_the_heartbeat_and_needs_attention(tmp_path, caplog):
+    """`watch` (an installed instance: launchd or systemd restarts the server):
+    the shim's last heartbeat record of each process names its death."""
+    from harness.fakes import Clock, FakeProcess
+    from mlx_watchdog.judge import Judge, JudgeConfig
+    from mlx_watchdog.metrics import Metrics
+    from mlx_watchdog.monitor import Monitor
+    from mlx_watchdog.policy import RestartPolicy
+
+    caplog.set_level(logging.INFO, logger="mlx_watchdog")
+    clock = Clock(1000.0)
+    heartbeat = tmp_path / "heartbeat.json"
+    probes = iter([DOWN_PROBE] * 8 + [GOOD])
+    monitor = Monitor("qwen", lambda: next(probes), judge=Judge(JudgeConfig(failures=2)),
+                      policy=RestartPolicy(boot_grace_s=600), action=None,
+                      heartbeat_file=heartbeat, process=FakeProcess(0.0), metrics=Metrics(),
+                      clock=clock, wall_clock=clock)
+    monitor.started()
+    for pid in (101, 102, 103):
+        record = {"pid": pid, "death": {"summary": "FileNotFoundError: [Errno 2] No such file "
+                                        "or directory: '/m/config.json'",
+                                        "during_startup": True, "time": clock.now,
+                                        "cause": "config-model-path"}}
+        heartbeat.write_text(json.dumps(record))
+        monitor.tick()
+        monitor.tick()  # the same record again: the same death, not another
+        clock.now += 10
+    assert monitor.record()["last_death"]["cause"] == "config-model-path"
+    attention = monitor.record()["needs_attention"]
+    assert attention["cause"] == "config-model-path" and attention["starts"] == 3
+    assert 'mlx_watchdog_needs_attention{instance="qwen"} 1.0' in monitor.metrics.render().decode()
+    assert len([r for r in caplog.records if "needs attention:" in r.getMessage()]) == 1
+    heartbeat.write_text(json.dumps({"pid": 104}))  # the model was fixed: it serves
+    while monitor.tick().state != HEALTHY:
+        pass
+    assert monitor.record()["needs_attention"] is None

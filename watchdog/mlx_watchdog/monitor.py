@@ -133,6 +133,7 @@ class Monitor:
         self._last_death: Optional[Dict[str, Any]] = None
         self._restart_death: Optional[str] = None  # the class the next restart follows
         self._needs_attention: Optional[Dict[str, Any]] = None
+        self._recorded_death: Optional[Tuple[Any, Any]] = None  # (pid, time) last noted
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -221,6 +222,8 @@ class Monitor:
         self._note_warning(beat, probe)
         self._note_shim(beat, probe)
         self._observe_server(record)
+        if not hasattr(self.process, "death"):  # a supervisor sees its child's exits itself
+            self._note_recorded_death(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -413,6 +416,25 @@ class Monitor:
         cause = death.get("cause") or "unknown"
         self._restart_death = cause
         self._note_attention(self.attention.observe(cause))
+
+    def _note_recorded_death(self, record: Optional[Dict[str, Any]]) -> None:
+        """`watch`: the server's service manager restarts it, so its deaths
+        are known from the shim's last heartbeat record (its ``death``), once
+        per process: status's last death, and needs attention."""
+        death = record.get("death") if isinstance(record, dict) else None
+        if not isinstance(death, dict):
+            return
+        key = (record.get("pid"), death.get("time"))
+        if key == self._recorded_death:
+            return
+        self._recorded_death = key
+        from .signatures import cause_of_exit, death_record
+
+        match = cause_of_exit(None, death)
+        self._last_death = death_record(match, pid=record.get("pid"), exit_code=None,
+                                        time=death.get("time"),
+                                        during_startup=death.get("during_startup"))
+        self._note_attention(self.attention.observe(match.cls))
 
     def _note_attention(self, needs: Optional[NeedsAttention]) -> None:
         """Keep status, the log, the metric and the backoff in step with the
