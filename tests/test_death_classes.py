@@ -227,3 +227,36 @@ def test_watch_learns_each_death_from_the_heartbeat_and_needs_attention(tmp_path
     while monitor.tick().state != HEALTHY:
         pass
     assert monitor.record()["needs_attention"] is None
+
+
+def test_the_shims_class_of_a_death_and_the_fields_a_report_gets():
+    """In the shim's own interpreter (no server): the class, the report's
+    fields (no request text in the detail), and a known-bad pair's fallback."""
+    code = r"""
+import json
+from mlx_hotfix.patches import exit_on_death as e
+out = {}
+out["oom"] = e.cause_fields(e.classify_death(RuntimeError(
+    "[metal::malloc] Attempting to allocate 900 bytes which is greater than the maximum "
+    "allowed buffer size of 100 bytes.")))
+out["stream"] = e.cause_name(e.classify_death(RuntimeError(
+    "There is no Stream(cpu, 0) in current thread.")))
+e._known_bad_pair = lambda: True
+odd = RuntimeError("something new")
+out["odd_pair"] = e.cause_name(e.classify_death(odd, bad_pair=True))
+out["odd_loading"] = e.cause_name(e.classify_death(odd, bad_pair=False))
+out["none"] = e.cause_fields(None)
+print(json.dumps(out))
+"""
+    from harness.server import ROOT, run_python
+
+    run = run_python("0.32.2", code, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["oom"]["cause"] == "metal-too-big"
+    assert out["oom"]["cause_detail"] == {"bytes": 900, "max_bytes": 100}
+    assert out["oom"]["remedy"].startswith("a single request needs too large a buffer")
+    assert out["oom"]["cause_source"] == "mlx backend/metal/allocator.cpp:116"
+    assert out["stream"] == "config-bad-pair"
+    assert out["odd_pair"] == "config-bad-pair" and out["odd_loading"] == "unknown"
+    assert out["none"] == {"cause": "unknown"}

@@ -113,7 +113,9 @@ class Lifeline:
 
     def die(self, generator, exc, during_startup):
         try:
-            match = classify_death(exc)  # before any client is told: they get its class
+            # Before any client is told: they get its class. A known-bad pair
+            # dies on the first request, never while the model loads.
+            match = classify_death(exc, bad_pair=not during_startup)
             with self._lock:
                 if self.dead:
                     return
@@ -275,10 +277,11 @@ _SAFE_DETAIL = ("rank", "host", "failed_rank", "failed_exit_code", "errno", "fd"
                 "bytes", "max_bytes", "device", "backend", "missing", "extra", "model_type")
 
 
-def classify_death(exc):
-    """The class of a death (a signatures.Match), or None. Never raises. A
-    death the table does not know, on a known-bad mlx-lm/mlx pair, is that
-    pair's (config-bad-pair): it fails the same way after every restart."""
+def classify_death(exc, bad_pair=False):
+    """The class of a death (a signatures.Match), or None. Never raises. With
+    bad_pair, a death the table does not know, on a known-bad mlx-lm/mlx
+    pair, is that pair's (config-bad-pair): it fails the same way after
+    every restart."""
     try:
         import traceback
 
@@ -286,7 +289,7 @@ def classify_death(exc):
 
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         match = signatures.classify(exc.__class__.__name__, str(exc), text)
-        if not match.known and _known_bad_pair():
+        if bad_pair and not match.known and _known_bad_pair():
             match = signatures.Match(signatures.entry("config-bad-pair"))
         return match
     except BaseException:  # noqa: BLE001 - classifying must never make a death worse
