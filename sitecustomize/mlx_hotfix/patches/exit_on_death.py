@@ -23,6 +23,12 @@ when stream headers are already out, a final SSE error event; then the
 connection closes. A reaper thread exits with MLX_HOTFIX_EXIT_CODE once every
 client is answered, or when MLX_HOTFIX_EXIT_GRACE runs out.
 
+Every death is classified (mlx_hotfix/signatures.py) before any client is
+told: the class is in the death line (``generation thread died: <class>:
+<Type>: <message>; exiting 70``), the answers' ``"cause"`` (never the
+message's text), the crash report (cause, remedy, source) and the heartbeat's
+``death.cause``, where the watchdog reads it.
+
 Every threaded release 0.28.4 to 0.32.x has the zombie. Two loop shapes
 (patches/loop_shapes.py): 0.30.6+ turns through ``_next_request``, 0.28.4 to
 0.30.5 through its request queue; each has its own shape check, and the
