@@ -130,6 +130,7 @@ def test_a_model_that_does_not_match_its_weights_needs_attention_until_fixed(
 
     sup.wait_for(needs_attention, 300, "needs attention after three starts")
     status = _status_json(sup)
+    assert status["status"] == "needs-attention", status
     attention = status["needs_attention"]
     assert attention["cause"] == "config-missing-parameters" and attention["starts"] == 3
     assert attention["remedy"].startswith("run the mlx-lm release the model was converted for")
@@ -151,5 +152,6 @@ def test_a_model_that_does_not_match_its_weights_needs_attention_until_fixed(
     wait_serving(f"http://127.0.0.1:{port}", LOAD_S, log=sup)
     sup.wait_for(lambda: not needs_attention(), 60, "needs attention to clear")
     assert _status_json(sup)["needs_attention"] is None
+    assert _status_json(sup)["status"] == "healthy"
     assert sup.wait_event(lambda e: e["event"] == "needs-attention"
                           and "no longer" in e["message"], 30, "the all-clear")

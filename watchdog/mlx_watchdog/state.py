@@ -33,6 +33,9 @@ VERSION = 1
 STOPPED = "stopped"  # written by a daemon that stopped cleanly
 STALE = "stale (watchdog not running)"  # shown for a record whose writer is gone or silent
 STALE_INTERVALS = 3
+# Shown (and `status --json`'s "status") while a restart cannot fix what kills
+# the server (the record's needs_attention; attention.py): a person must act.
+NEEDS_ATTENTION = "needs-attention"
 # `status` exits 0 only when every instance is in one of these (and not stale).
 SERVING_STATES = ("healthy", "busy")
 
@@ -155,7 +158,8 @@ def writer_running(record: Dict[str, Any]) -> bool:
 
 def shown_state(record: Dict[str, Any], now: float, running: bool) -> str:
     """What `status` calls the instance: its state, STOPPED, or STALE when the
-    writer is gone or has not updated it for STALE_INTERVALS intervals."""
+    writer is gone or has not updated it for STALE_INTERVALS intervals, or
+    NEEDS_ATTENTION while a restart cannot fix what kills it."""
     state = record.get("state", "?")
     if state == STOPPED:
         return STOPPED
@@ -165,6 +169,8 @@ def shown_state(record: Dict[str, Any], now: float, running: bool) -> str:
     if _is_number(updated) and _is_number(interval) and interval > 0:
         if now - updated > STALE_INTERVALS * interval:
             return STALE
+    if isinstance(record.get("needs_attention"), dict):
+        return NEEDS_ATTENTION
     return str(state)
 
 
@@ -234,6 +240,7 @@ _STATE_COLOURS = {
     "wedged": "red",
     "down": "red",
     "crash-looping": "magenta",
+    NEEDS_ATTENTION: "red",
 }
 _CALM = ("healthy", "busy", "starting")
 
@@ -344,8 +351,7 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     newest = "-"
     if isinstance(report, dict) and report.get("file"):
         newest = f"{os.path.basename(str(report['file']))} {_ago(now, report.get('time'))}"
-    attention = ", needs attention" if isinstance(record.get("needs_attention"), dict) else ""
-    return (f"{state} {since}{attention}", good, restarts, decode, newest)
+    return (f"{state} {since}", good, restarts, decode, newest)
 
 
 def _details(
