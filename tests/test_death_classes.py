@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 
-from mlx_watchdog import oomkill
+from mlx_watchdog import oomkill, reports
 from mlx_watchdog.judge import HEALTHY
 from mlx_watchdog.probe import UNREACHABLE, ProbeResult
 from mlx_watchdog.state import format_status
@@ -102,6 +102,13 @@ def test_a_sigkill_without_a_word_is_killed_with_the_oom_killers_record(tmp_path
     assert death["cause"] == "killed" and death["detail"]["signal"] == 9
     assert death["detail"]["by"] == "oom-killer" and death["detail"]["anon_rss_kb"] == 8000
     assert 'cause="killed",instance="test",reason="exited"} 1.0' in _metrics(supervisor)
+    # It left no report of its own: the watchdog writes one, and lists it.
+    (report,) = reports.load_reports(tmp_path / "reports")
+    assert report["kind"] == "killed" and report["cause"] == "killed"
+    assert report["cause_detail"]["by"] == "oom-killer" and report["pid"] == pid
+    assert report["instance"]["name"] == "test"
+    assert reports.format_table([report]).splitlines()[1].split()[5:7] == ["killed", "killed"]
+    assert "- **what is known:** " in reports.format_markdown(report)
 
 
 def test_an_unexplained_exit_is_classified_from_the_childs_output(tmp_path):

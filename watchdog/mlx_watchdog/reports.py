@@ -185,6 +185,28 @@ def capture_stacks(
         return None
 
 
+def write_killed_report(death: Dict[str, Any], *, directory: Optional[Path] = None,
+                        extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+    """A `killed` report for a death that left none of its own (a SIGKILL: the
+    OOM killer, jetsam, a person): the class and what is known (death: a
+    signatures.death_record). Never raises."""
+    try:
+        report: Dict[str, Any] = {
+            "schema": SCHEMA, "kind": "killed", "time": death.get("time") or time.time(),
+            "pid": death.get("pid"), "source": "watchdog", "exit_code": death.get("exit_code"),
+            "in_flight": None, "reason": f"{death.get('title')}; no report of its own",
+            "cause": death.get("cause"), "cause_title": death.get("title"),
+            "remedy": death.get("remedy"), "cause_source": death.get("source"),
+            "restart_helps": death.get("restart_helps"), "cause_detail": death.get("detail"),
+            "versions": {"mlx_watchdog": __version__, "python": platform.python_version(),
+                         "os": platform.platform()},
+        }
+        report.update(extra or {})
+        return write_report(directory or report_dir(), report)
+    except Exception:  # noqa: BLE001 - evidence must never block the restart
+        return None
+
+
 def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
     """A report's `instance` field, as the shim writes it: name, port, model."""
     from urllib.parse import urlsplit

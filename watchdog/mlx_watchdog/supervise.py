@@ -445,9 +445,20 @@ class Supervisor:
             # Asked to stop, the child's exit is what we wanted: no warning.
             log = self.events.info if self._stopping else self.events.warning
             log("exited", f"server {self._exit}", returncode=code, cause=match.cls)
+            if match.cls == "killed" and not self._stopping:  # it left no report: one here
+                path = reports.write_killed_report(self.last_death, directory=self.report_dir,
+                                                   extra=self._report_extra())
+                if path is not None:
+                    self.last_report = str(path)
+                    self.events.info("report", f"wrote {path}", kind="killed")
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
+
+    def _report_extra(self) -> Dict[str, Any]:
+        return {"command": reports_argv(self.command),
+                "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                                   self.command)}
 
     def _group_hosts(self) -> Optional[List[str]]:
         """The hosts of an mlx.launch child, in rank order (None: not a group)."""
@@ -498,9 +509,7 @@ class Supervisor:
             directory=self.report_dir,
             heartbeat_file=self.heartbeat_file,
             wait_s=self.stacks_wait_s,
-            extra={"command": reports_argv(self.command),
-                   "instance": reports.instance_field(self.monitor.name, self.monitor.url,
-                                               self.command)},
+            extra=self._report_extra(),
         )
         if path is not None:
             self.last_report = str(path)
