@@ -444,7 +444,7 @@ class Supervisor:
                                            time=self._wall_clock())
             # Asked to stop, the child's exit is what we wanted: no warning.
             log = self.events.info if self._stopping else self.events.warning
-            log("exited", f"server {self._exit}", returncode=code, cause=match.cls)
+            log("exited", f"server {self._exit}", returncode=code, death_cause=match.cls)
             if match.cls == "killed" and not self._stopping:  # it left no report: one here
                 path = reports.write_killed_report(self.last_death, directory=self.report_dir,
                                                    extra=self._report_extra())
