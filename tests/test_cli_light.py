@@ -51,22 +51,30 @@ def _report(directory, kind, when, **fields):
 def test_reports_table_json_show_and_markdown(tmp_path):
     now = time.time()
     _report(tmp_path, "died", now - 60, exception={
-        "type": "builtins.RuntimeError", "message": "[metal::malloc] Resource limit",
+        "type": "builtins.RuntimeError",
+        "message": "[metal::malloc] Resource limit (499000) exceeded.",
         "traceback": "Traceback (most recent call last):\n  boom\n"},
         in_flight_requests=[{"max_tokens": 200, "prompt_tokens": 57, "stream": False}])
     newest = _report(tmp_path, "wedged", now, reason="heartbeat stale", stacks_text="Thread 0x1")
     runner = CliRunner()
     table = runner.invoke(main, ["reports", "--dir", str(tmp_path)]).output
     lines = table.splitlines()
-    assert lines[0].split()[:5] == ["#", "ID", "TIME", "INSTANCE", "KIND"]
+    assert lines[0].split()[:6] == ["#", "ID", "TIME", "INSTANCE", "KIND", "CAUSE"]
     assert "wedged" in lines[1] and "died" in lines[2] and "Resource limit" in lines[2]
+    assert lines[1].split()[6] == "-" and lines[2].split()[6] == "metal-buffer-count", lines
     listed = json.loads(runner.invoke(main, ["reports", "--dir", str(tmp_path), "--json"]).output)
     assert [r["kind"] for r in listed] == ["wedged", "died"]
     shown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", newest.stem])
     assert json.loads(shown.output)["reason"] == "heartbeat stale"
     markdown = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", "2",
                                     "--markdown"]).output
-    assert markdown.startswith("### mlx_lm.server: died (RuntimeError: [metal::malloc]")
+    assert markdown.startswith("### mlx_lm.server: died: metal-buffer-count (RuntimeError: "
+                               "[metal::malloc]")
+    # The class leads (a report without a cause of its own is classified from
+    # its exception), then the remedy, then the upstream issue to add to.
+    assert markdown.index("**class:** `metal-buffer-count`") < markdown.index("**remedy:**") \
+        < markdown.index("**upstream (add this report there):** mlx backend/metal") \
+        < markdown.index("mlx-lm 0.32.2")
     assert "mlx-lm 0.32.2" in markdown and "prompt_tokens=57" in markdown
     assert "```" in markdown
     missing = runner.invoke(main, ["reports", "--dir", str(tmp_path), "show", "nope"])

@@ -80,7 +80,8 @@ def test_release_line_death_gives_503_and_exit_70(servers, tiny_llama, tmp_path,
                                                     timeout=CLIENT_TIMEOUT, **extra))
     _assert_503_then_70(server, request)
     died = [l for l in server.hotfix_lines() if "generation thread died" in l]
-    assert died == ["mlx-hotfix: generation thread died: RuntimeError: [metal::malloc] "
+    assert died == ["mlx-hotfix: generation thread died: metal-buffer-count: RuntimeError: "
+                    "[metal::malloc] "
                     "Resource limit (499000) exceeded.; exiting 70"], server.log()
 
 

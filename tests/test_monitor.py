@@ -104,7 +104,7 @@ def test_wedge_restarts_once_and_starts_afresh(tmp_path, logs):
     assert record["restarts"] == 1
     assert record["last_restart"]["cause"] == NO_PROGRESS and record["last_restart"]["ok"]
     metrics = monitor.metrics.render().decode()
-    assert 'mlx_watchdog_restarts_total{instance="gemma",reason="no-progress"} 1.0' in metrics
+    assert 'mlx_watchdog_restarts_total{cause="none",instance="gemma",reason="no-progress"} 1.0' in metrics
     restart_logs = [e for e in logs() if e["event"] in ("restart", "restarted")]
     assert [e["level"] for e in restart_logs] == ["warning", "info"]
     assert restart_logs[0]["cause"] == NO_PROGRESS

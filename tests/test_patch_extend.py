@@ -42,8 +42,8 @@ def test_with_the_patch_off_the_shim_turns_the_crash_into_exit_70(servers, tiny_
     assert a.join(70) and b.join(70)
     assert a.status == 200, a
     assert b.status == 503 and "TypeError" in b.json()["error"]["message"], b
-    assert ("mlx-hotfix: generation thread died: TypeError: 'NoneType' object is not "
-            "iterable; exiting 70") in server.hotfix_lines()
+    assert ("mlx-hotfix: generation thread died: extend: TypeError: 'NoneType' object is "
+            "not iterable; exiting 70") in server.hotfix_lines()
 
 
 def test_with_the_patch_on_both_requests_and_later_ones_complete_correctly(servers, tiny_llama):

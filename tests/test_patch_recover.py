@@ -200,12 +200,22 @@ def test_a_gpu_fault_exits_70_where_a_slice_error_is_recovered_in_place(
     assert ("mlx-hotfix: not recovering in place: gpu-timeout (a GPU command buffer ran past the "
             "macOS GPU watchdog) is a GPU fault; only a new process recovers from it") in lines
     assert sum("recovering in place (" in line for line in lines) == 1, lines  # the slice's
-    assert lines[-1].startswith("mlx-hotfix: generation thread died: RuntimeError: [METAL] "
-                                "Command buffer execution failed: Caused GPU Timeout Error"), lines
+    assert lines[-1].startswith("mlx-hotfix: generation thread died: gpu-timeout: RuntimeError: "
+                                "[METAL] Command buffer execution failed: Caused GPU Timeout Error"), lines
     assert lines[-1].endswith("; exiting 70"), lines
     assert server.log().count(LOAD_LINE) == 1
     kinds = sorted(name.split("-")[3] for name in os.listdir(reports) if name.endswith(".json"))
     assert kinds == ["died", "recovered"], kinds
+    # The report says what it was and why it was not recovered in place.
+    (died,) = [json.loads((reports / name).read_text()) for name in os.listdir(reports)
+               if "-died-" in name]
+    (recovered,) = [json.loads((reports / name).read_text()) for name in os.listdir(reports)
+                    if "-recovered-" in name]
+    assert recovered["cause"] == "slice" and "recovery_refused" not in recovered
+    assert died["cause"] == "gpu-timeout" and died["remedy"].startswith("only a new process")
+    assert died["recovery_refused"] == (
+        "not recovering in place: gpu-timeout (a GPU command buffer ran past the macOS GPU "
+        "watchdog) is a GPU fault; only a new process recovers from it")
 
 
 def test_which_deaths_recover_refuses_in_place():

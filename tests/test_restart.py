@@ -67,7 +67,7 @@ def test_a_planned_restart_drains_is_counted_apart_and_is_no_backoff(tmp_path):
     assert not monitor.policy.crash_looping(monitor.clock())
     assert monitor.policy.in_grace(monitor.clock())  # the new server gets its boot grace
     scrape = metrics.render().decode()
-    assert 'mlx_watchdog_restarts_total{instance="gemma",reason="planned"} 3.0' in scrape
+    assert 'mlx_watchdog_restarts_total{cause="none",instance="gemma",reason="planned"} 3.0' in scrape
     monitor.state.flush()
     record = read_state(tmp_path / "state.json")["instances"]["gemma"]
     assert record["restarts"] == 3 and record["last_restart"]["cause"] == PLANNED
@@ -78,7 +78,7 @@ def test_planned_cause_exists_at_zero_for_rate_queries():
     metrics = Metrics()
     Monitor("m", lambda: GOOD, judge=Judge(JudgeConfig()), policy=RestartPolicy(),
             action=None, metrics=metrics)
-    assert 'mlx_watchdog_restarts_total{instance="m",reason="planned"} 0.0' in \
+    assert 'mlx_watchdog_restarts_total{cause="none",instance="m",reason="planned"} 0.0' in \
         metrics.render().decode()
 
 

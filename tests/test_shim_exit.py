@@ -64,21 +64,21 @@ def _assert_stream_ends_with_error(request: BackgroundRequest) -> None:
 
 
 # Every death mode users reported upstream, where it strikes: (fault, the
-# line the shim must print). The faults raise the real messages
+# line the shim must print: the death's class, then the exception). The faults raise the real messages
 # (harness/faults); the natural `extend` crash is in test_patch_extend.
 DEATHS = {
-    "typeerror-prefill": ("raise:typeerror:prefill:1", "TypeError: 'NoneType' object is not iterable"),
-    "typeerror-decode": ("raise:typeerror:decode:2", "TypeError: 'NoneType' object is not iterable"),
+    "typeerror-prefill": ("raise:typeerror:prefill:1", "extend: TypeError: 'NoneType' object is not iterable"),
+    "typeerror-decode": ("raise:typeerror:decode:2", "extend: TypeError: 'NoneType' object is not iterable"),
     "resource-prefill": ("raise:resource:prefill:1",
-                         "RuntimeError: [metal::malloc] Resource limit (499000) exceeded."),
+                         "metal-buffer-count: RuntimeError: [metal::malloc] Resource limit (499000) exceeded."),
     "resource-decode": ("raise:resource:decode:2",
-                        "RuntimeError: [metal::malloc] Resource limit (499000) exceeded."),
-    "slice-prefill": ("raise:slice:prefill:1", "ValueError: Slice indices must be 32-bit integers."),
-    "slice-decode": ("raise:slice:decode:2", "ValueError: Slice indices must be 32-bit integers."),
-    "broadcast-prefill": ("raise:broadcast:prefill:1", "ValueError: [broadcast_shapes] Shapes"),
-    "broadcast-decode": ("raise:broadcast:decode:2", "ValueError: [broadcast_shapes] Shapes"),
-    "extract_cache-prefill": ("raise:extract:extract_cache:0", "IndexError: list index out of range"),
-    "extract_cache-decode": ("raise:extract:extract_cache:20", "IndexError: list index out of range"),
+                        "metal-buffer-count: RuntimeError: [metal::malloc] Resource limit (499000) exceeded."),
+    "slice-prefill": ("raise:slice:prefill:1", "slice: ValueError: Slice indices must be 32-bit integers."),
+    "slice-decode": ("raise:slice:decode:2", "slice: ValueError: Slice indices must be 32-bit integers."),
+    "broadcast-prefill": ("raise:broadcast:prefill:1", "broadcast: ValueError: [broadcast_shapes] Shapes"),
+    "broadcast-decode": ("raise:broadcast:decode:2", "broadcast: ValueError: [broadcast_shapes] Shapes"),
+    "extract_cache-prefill": ("raise:extract:extract_cache:0", "extract: IndexError: list index out of range"),
+    "extract_cache-decode": ("raise:extract:extract_cache:20", "extract: IndexError: list index out of range"),
 }
 
 
@@ -234,6 +234,7 @@ def test_health_and_new_requests_say_503_once_the_thread_is_dead(envs, tiny_llam
     assert status == 503
     assert body["error"]["message"] == "generation thread died (ValueError); the server is restarting"
 
+    assert body["error"]["cause"] == "slice"  # the class (signatures.py), never the text
 
 NEGATIVE_CONTROL_SCRIPT = textwrap.dedent("""
     import threading, sys

@@ -83,7 +83,9 @@ def test_a_model_that_cannot_load_is_named_and_counted_on_one_report(tmp_path):
     for event in exits:
         assert event["message"] == f"server exited with code 70 at start-up: {cause}", event
         assert "saw the generation thread die" not in event["message"]
+        assert event["death_cause"] == "config-model-path", event  # a configuration class
     (report,) = found  # one report, however many deaths
+    assert report["cause"] == "config-model-path" and "fix --model" in report["remedy"]
     assert report["repeats"] >= len(exits) >= DEATHS, report.get("repeats")
     assert report["during_startup"] is True and report["kind"] == "died"
     assert report["instance"] == {"name": "qwen", "port": port, "model": str(empty)}

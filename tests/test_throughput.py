@@ -110,7 +110,7 @@ def test_metrics_export_throughput_and_reports(tmp_path):
     samples = _samples(metrics)
     assert samples[("mlx_watchdog_decode_tokens_total", (("instance", "a"),))] == 0
     assert samples[("mlx_watchdog_restarts_total",
-                    (("instance", "a"), ("reason", "dead-thread")))] == 0
+                    (("cause", "none"), ("instance", "a"), ("reason", "dead-thread")))] == 0
     path = tmp_path / "hb"
     tracker = ThroughputTracker()
     for pid, decoded in ((5, 10), (5, 30), (6, 4)):

@@ -545,18 +545,19 @@ def serving_again():
     _down = False
 
 
-def died(summary, during_startup):
+def died(summary, during_startup, cause=None):
     """The server is about to exit for a death: leave its one-line cause in the
     heartbeat file (the ``death`` field), where the watchdog reads it when the
     process is gone: a start-up failure (a bad --model, a taken port) is then
-    named by its own cause, not by the exit code. ``cause`` is the class of
-    the death, kept for a classifier (None: not classified). Never raises."""
+    named by its own cause, not by the exit code. ``cause`` is the death's
+    class in the table of signatures (signatures.py; None: not classified).
+    Never raises."""
     global _death
     try:
         if not config.current().heartbeat_file:
             return
         _death = {"summary": summary, "during_startup": bool(during_startup),
-                  "time": time.time(), "cause": None}
+                  "time": time.time(), "cause": cause}
         _write(record(phase()))
     except Exception:  # noqa: BLE001 - the exit goes on whatever happens here
         pass

@@ -12,6 +12,7 @@ from .judge import STATES
 from .probe import ProbeResult
 from .throughput import COUNTERS, ThroughputReading
 
+NO_DEATH = "none"  # the cause label of a restart that follows no death (a hang, planned)
 STATE_LABEL = "state"  # mlx_watchdog_state{state="healthy"}: the rules and dashboard query it
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # heartbeat counter (throughput.COUNTERS) -> the reason label of mlx_watchdog_rejected_total
@@ -37,9 +38,18 @@ class Metrics:
         self.restarts = Counter(
             "mlx_watchdog_restarts",
             "Restarts attempted; the reason label is the judge's cause "
-            "(dead-thread, heartbeat-stale, stalled, exited ...).",
+            "(dead-thread, heartbeat-stale, stalled, exited ...), the cause label the "
+            "death's class (README, Death classes; none: the server had not died).",
             # "reason", though it holds a cause: dashboards already query it.
-            ["instance", "reason"],
+            ["instance", "reason", "cause"],
+            registry=self.registry,
+        )
+        self.needs_attention = Gauge(
+            "mlx_watchdog_needs_attention",
+            "1 while the instance needs attention: it died of a class a restart cannot "
+            "fix (a configuration error) on 3 starts in a row; restarts go on at the "
+            "backoff cap. `mlx-watchdog status` names the class and the remedy.",
+            ["instance"],
             registry=self.registry,
         )
         # One series per state, 1 for the current one and 0 for the others,
@@ -116,7 +126,8 @@ class Metrics:
             self.rejected.labels(instance, reason)
         self.crash_reports.labels(instance)
         for cause in causes:
-            self.restarts.labels(instance, cause)
+            self.restarts.labels(instance, cause, NO_DEATH)
+        self.needs_attention.labels(instance).set(0)
 
     def observe_throughput(self, instance: str, reading: ThroughputReading) -> None:
         for name, increment in reading.increments.items():
@@ -143,8 +154,14 @@ class Metrics:
     def shim(self, instance: str, loaded: bool) -> None:
         self.shim_loaded.labels(instance).set(1 if loaded else 0)
 
-    def restarted(self, instance: str, cause: str) -> None:
-        self.restarts.labels(instance, cause).inc()
+    def restarted(self, instance: str, cause: str, death: str = "") -> None:
+        """A restart: cause, the judge's (the reason label); death, the class
+        of the death it follows (the cause label; none: there was none)."""
+        self.restarts.labels(instance, cause, death or NO_DEATH).inc()
+
+    def attention(self, instance: str, cause: Optional[str]) -> None:
+        """The instance needs attention for cause (None: it does not any more)."""
+        self.needs_attention.labels(instance).set(1 if cause else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

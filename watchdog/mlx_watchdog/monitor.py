@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import Any, Callable, Deque, Dict, Optional, Protocol, Tuple
 
 from .act import ActionResult, restart_planned
+from .attention import AttentionTracker, NeedsAttention
 from .policy import RestartPolicy
 from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, read_record
 from . import contract
@@ -47,7 +48,9 @@ class ProcessEvidence(Protocol):
     """Like process.CpuSampler: samples the server process each tick.
 
     It may also have `exited() -> Optional[str]`: how the process ended, when
-    that is known for sure (only a supervisor sees its child's exit status).
+    that is known for sure (only a supervisor sees its child's exit status),
+    and `death() -> Optional[dict]`: the class of that exit
+    (signatures.death_record; a new dict for each exit).
     """
 
     def sample(self, rescan: bool = True) -> ProcessSample: ...
@@ -78,6 +81,7 @@ class Monitor:
         wall_clock: Callable[[], float] = time.time,
         update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
         expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
+        attention: Optional[AttentionTracker] = None,
     ):
         self.name = name
         self.probe = probe
@@ -119,6 +123,13 @@ class Monitor:
         self.expect_shim = heartbeat is not None if expect_shim is None else expect_shim
         self._shim_seen = False  # a fresh heartbeat since the (re)start
         self._shim_warning: Optional[str] = None
+        # Death classes (signatures.py): the last exit's, the one the next
+        # restart follows, and the run of those a restart cannot fix.
+        self.attention = attention or AttentionTracker()
+        self._last_death: Optional[Dict[str, Any]] = None
+        self._restart_death: Optional[str] = None  # the class the next restart follows
+        self._needs_attention: Optional[Dict[str, Any]] = None
+        self._recorded_death: Optional[Tuple[Any, Any]] = None  # (pid, time) last noted
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -207,6 +218,8 @@ class Monitor:
         self._note_warning(beat, probe)
         self._note_shim(beat, probe)
         self._observe_server(record)
+        if not hasattr(self.process, "death"):  # a supervisor sees its child's exits itself
+            self._note_recorded_death(record)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -230,6 +243,7 @@ class Monitor:
             self._process_problem = sample.problem
         if probe.ok:
             self.policy.healthy(now)
+            self._served()
         elif self._delivered(beat):
             self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
@@ -243,6 +257,7 @@ class Monitor:
 
     def _tick_exited(self, exited: str) -> Verdict:
         """The process is gone for sure: nothing to probe or sample."""
+        self._note_death()
         now = self.clock()
         gone = ProbeResult(UNREACHABLE, 0.0, reason=f"server {exited}")
         verdict = self.judge.observe(Evidence(probe=gone, now=now, process_alive=False,
@@ -292,11 +307,17 @@ class Monitor:
         if not decision.allowed:
             reason = f"{verdict.reason}; {decision.reason}"
             return replace(verdict, restart=False, reason=reason)
+        death = self._restart_death
+        self._restart_death = None
+        if death is None:  # not after a death (a hang): no run of unfixable deaths
+            self._note_attention(self.attention.observe(None))
+            death = "unknown" if verdict.cause == judge_module.DEAD_THREAD else None
         self.events.warning(
             "restart",
             f"restarting: {verdict.reason}" + (f" ({decision.reason})" if decision.reason else ""),
             state=verdict.state,
             cause=verdict.cause,
+            death_cause=death,
             restarts_in_a_row=self.policy.restarts_in_a_row,
         )
         result = self.action.restart(verdict.reason)
@@ -313,9 +334,10 @@ class Monitor:
             "reason": verdict.reason,
             "ok": result.ok,
             "detail": result.detail,
+            "death_cause": death,
         }
         if self.metrics is not None:
-            self.metrics.restarted(self.name, verdict.cause)
+            self.metrics.restarted(self.name, verdict.cause, death or "")
         if result.ok:
             self.events.info("restarted", result.detail)
             return replace(verdict, reason=f"{verdict.reason}; restarted")
@@ -373,7 +395,73 @@ class Monitor:
             "warning": self._warning,
             "shim_warning": self._shim_warning,
             "interval_s": self.update_every_s,
+            "last_death": self._last_death,
+            "needs_attention": self._needs_attention,
         }
+
+    # -- death classes (signatures.py) and needs-attention (attention.py) ------
+
+    def _note_death(self) -> None:
+        """The process exited: its class (once per exit), for the restart's
+        cause label, status, and the run of deaths a restart cannot fix."""
+        death_of = getattr(self.process, "death", None)
+        death = death_of() if death_of is not None else None
+        if not isinstance(death, dict) or death is self._last_death:
+            return
+        self._last_death = death
+        cause = death.get("cause") or "unknown"
+        self._restart_death = cause
+        self._note_attention(self.attention.observe(cause))
+
+    def _note_recorded_death(self, record: Optional[Dict[str, Any]]) -> None:
+        """`watch`: the server's service manager restarts it, so its deaths
+        are known from the shim's last heartbeat record (its ``death``), once
+        per process: status's last death, and needs attention."""
+        death = record.get("death") if isinstance(record, dict) else None
+        if not isinstance(death, dict):
+            return
+        key = (record.get("pid"), death.get("time"))
+        if key == self._recorded_death:
+            return
+        self._recorded_death = key
+        from .signatures import cause_of_exit, death_record
+
+        match = cause_of_exit(None, death)
+        self._last_death = death_record(match, pid=record.get("pid"), exit_code=None,
+                                        time=death.get("time"),
+                                        during_startup=death.get("during_startup"))
+        self._note_attention(self.attention.observe(match.cls))
+
+    def _note_attention(self, needs: Optional[NeedsAttention]) -> None:
+        """Keep status, the log, the metric and the backoff in step with the
+        tracker: the remedy is said once per cause, not at every restart."""
+        was = self._needs_attention
+        if needs is None:
+            if was is not None:
+                self.events.info("needs-attention",
+                                 f"no longer needs attention ({was['cause']})")
+                self._needs_attention = None
+                self.policy.at_cap = False
+                if self.metrics is not None:
+                    self.metrics.attention(self.name, None)
+            return
+        self.policy.at_cap = True
+        self._needs_attention = {
+            "cause": needs.cause, "remedy": needs.remedy, "starts": needs.starts,
+            "since": was["since"] if was and was["cause"] == needs.cause else self.wall_clock(),
+            "message": needs.message(),
+        }
+        if needs.announce:
+            self.events.error("needs-attention", needs.message(), cause=needs.cause,
+                              remedy=needs.remedy)
+        if self.metrics is not None and (was is None or was["cause"] != needs.cause):
+            self.metrics.attention(self.name, needs.cause)
+
+    def _served(self) -> None:
+        """A good probe: whatever killed the earlier starts is fixed."""
+        self.attention.served()
+        if self._needs_attention is not None:
+            self._note_attention(None)
 
     SHIM_NOT_LOADED = ("the hotfix shim is not loaded (check PYTHONPATH); exit on death and "
                        "stall detection are off")

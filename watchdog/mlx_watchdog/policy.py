@@ -62,6 +62,9 @@ class RestartPolicy:
         self._restarts: Deque[float] = deque()  # within window_s, for the crash-loop state
         self._in_a_row = 0  # restarts since a start last served
         self._wanted_since: Optional[float] = None  # a restart is wanted, since then
+        # Set while the instance needs attention (attention.py): a restart
+        # cannot fix what kills it, so every wait is the cap, never longer.
+        self.at_cap = False
 
     # -- what happened -------------------------------------------------------
 
@@ -106,6 +109,8 @@ class RestartPolicy:
         """The wait before the next restart, counted from when it was wanted."""
         if self._in_a_row == 0:
             return 0.0
+        if self.at_cap:
+            return self.backoff_max_s
         exponent = min(self._in_a_row - 1, 62)  # 2**62 s is forever; avoid overflow
         return min(self.backoff_initial_s * 2**exponent, self.backoff_max_s)
 

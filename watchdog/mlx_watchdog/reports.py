@@ -160,6 +160,28 @@ def capture_stacks(
         return None
 
 
+def write_killed_report(death: Dict[str, Any], *, directory: Optional[Path] = None,
+                        extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+    """A `killed` report for a death that left none of its own (a SIGKILL: the
+    OOM killer, jetsam, a person): the class and what is known (death: a
+    signatures.death_record). Never raises."""
+    try:
+        report: Dict[str, Any] = {
+            "schema": SCHEMA, "kind": "killed", "time": death.get("time") or time.time(),
+            "pid": death.get("pid"), "source": "watchdog", "exit_code": death.get("exit_code"),
+            "in_flight": None, "reason": f"{death.get('title')}; no report of its own",
+            "cause": death.get("cause"), "cause_title": death.get("title"),
+            "remedy": death.get("remedy"), "cause_source": death.get("source"),
+            "restart_helps": death.get("restart_helps"), "cause_detail": death.get("detail"),
+            "versions": {"mlx_watchdog": __version__, "python": platform.python_version(),
+                         "os": platform.platform()},
+        }
+        report.update(extra or {})
+        return write_report(directory or report_dir(), report)
+    except Exception:  # noqa: BLE001 - evidence must never block the restart
+        return None
+
+
 def instance_field(name: str, url: str, command: Sequence[str] = ()) -> dict:
     """A report's `instance` field, as the shim writes it: name, port, model."""
     from urllib.parse import urlsplit
@@ -312,21 +334,52 @@ def summary(report: Dict[str, Any]) -> str:
     return line
 
 
+# A report's kinds that are a death (a wedge or a recovery is not one).
+_NOT_DEATHS = ("wedged", "recovered")
+
+
+def report_cause(report: Dict[str, Any]) -> Optional[Any]:
+    """The class of the death a report is about (a signatures.Match), or None
+    when it is not about a death (a wedge). The shim's reports carry it
+    (``cause``); older ones, and fatal-stack files, are classified here from
+    what they hold. Never raises."""
+    from . import signatures
+
+    try:
+        module = signatures.table()
+        cause = report.get("cause")
+        if isinstance(cause, str) and cause in module.BY_CLASS:
+            detail = report.get("cause_detail")
+            return module.Match(module.entry(cause), detail if isinstance(detail, dict) else {})
+        if report.get("kind") in _NOT_DEATHS:
+            return None
+        exc = report.get("exception") or {}
+        if exc:
+            return signatures.classify((exc.get("type") or "").rsplit(".", 1)[-1],
+                                       exc.get("message"), exc.get("traceback"))
+        return signatures.classify_text(report.get("fatal_stacks") or report.get("stacks_text")
+                                        or report.get("reason"))
+    except Exception:  # noqa: BLE001 - a malformed report still lists
+        return None
+
+
 def format_table(reports: List[Dict[str, Any]]) -> str:
     """The listing; every cell with its control characters escaped (a report
     and its file name come from the server's side)."""
     if not reports:
         return "no reports"
-    rows = [("#", "ID", "TIME", "INSTANCE", "KIND", "PID", "MLX-LM", "IN FLIGHT", "WHAT")]
+    rows = [("#", "ID", "TIME", "INSTANCE", "KIND", "CAUSE", "PID", "MLX-LM", "IN FLIGHT",
+             "WHAT")]
     for i, r in enumerate(reports, 1):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.get("time") or 0))
         if r.get(UNREADABLE):
-            cells = (str(i), r["id"], when, "-", "-", "-", "-", "-",
+            cells = (str(i), r["id"], when, "-", "-", "-", "-", "-", "-",
                      f"unreadable report: {r[UNREADABLE]}")
         else:
             versions = r.get("versions") or {}
+            cause = report_cause(r)
             cells = (str(i), r["id"], when, instance_label(r), str(r.get("kind")),
-                     str(r.get("pid")),
+                     cause.cls if cause is not None else "-", str(r.get("pid")),
                      str(versions.get("mlx_lm", "-")),
                      "-" if r.get("in_flight") is None else str(r["in_flight"]), summary(r))
         rows.append(tuple(printable(cell) for cell in cells))
@@ -342,9 +395,21 @@ def format_markdown(report: Dict[str, Any]) -> str:
     versions = report.get("versions") or {}
     exc = report.get("exception") or {}
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(report.get("time") or 0))
-    lines = [
-        f"### mlx_lm.server: {report.get('kind')} ({summary(report) or 'no exception'})",
-        "",
+    cause = report_cause(report)
+    kind = report.get("kind") if cause is None else f"{report.get('kind')}: {cause.cls}"
+    lines = [f"### mlx_lm.server: {kind} ({summary(report) or 'no exception'})", ""]
+    if cause is not None:  # first what it was and what to do, then where to add it
+        sig = cause.entry
+        lines.append(f"- **class:** `{cause.cls}`: {sig.title}")
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(cause.detail.items()))
+        if detail:
+            lines.append(f"- **what is known:** {detail}")
+        lines.append(f"- **remedy:** {sig.remedy}")
+        if sig.source and sig.source != "-":
+            lines.append(f"- **upstream (add this report there):** {sig.source}")
+        if report.get("recovery_refused"):
+            lines.append(f"- **not recovered in place:** {report['recovery_refused']}")
+    lines += [
         f"- mlx-lm {versions.get('mlx_lm', '?')}, mlx {versions.get('mlx', '?')}, "
         f"Python {versions.get('python', '?')}, {versions.get('os', '?')}",
         f"- when: {when}; uptime {report.get('uptime_s', '?')} s; exit code "

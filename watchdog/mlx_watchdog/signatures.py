@@ -88,6 +88,54 @@ def classify_exit(returncode: Optional[int], *, texts: Iterable[Optional[str]] =
     return module.Match(module.UNKNOWN_ENTRY, detail)
 
 
+def cause_of_exit(returncode: Optional[int], death: Optional[Mapping[str, Any]] = None, *,
+                  pid: Optional[int] = None, output: Optional[str] = None,
+                  find_oom: Optional[Any] = None,
+                  hosts: Optional[Sequence[str]] = None) -> Any:
+    """The class of a supervised child's exit, from the best evidence there is:
+    the shim's own word (the heartbeat's ``death``: its ``cause``, else its
+    summary), then the tail of the child's output, then how it ended (a
+    SIGKILL is ``killed``, with the kernel's OOM-killer record of pid where
+    the kernel's log can be read: find_oom(pid), oomkill.find_oom_kill by
+    default). hosts: a group's hosts in rank order (an mlx.launch child):
+    a group class then names the rank and host that failed, from the
+    survivors' lines in output (group_failure). Never raises."""
+    module = table()
+    try:
+        if hosts is not None and output:
+            match = group_failure(output, hosts)
+            if match.entry.group:
+                match.detail.setdefault("exit_code", returncode)
+                return match
+        texts = []
+        if death:
+            cause = death.get("cause")
+            if isinstance(cause, str) and cause in module.BY_CLASS and cause != module.UNKNOWN:
+                return module.Match(module.entry(cause), {"exit_code": returncode})
+            texts.append(death.get("summary"))
+        texts.append(output)
+        oom = None
+        if killed_by(returncode) == SIGKILL and pid:
+            if find_oom is None:
+                from .oomkill import find_oom_kill as find_oom
+            found = find_oom(pid)
+            oom = found.as_detail() if found is not None else None
+        return classify_exit(returncode, texts=[t for t in texts if t], oom=oom)
+    except Exception:  # noqa: BLE001 - a class is evidence, never a new failure
+        return module.Match(module.UNKNOWN_ENTRY, {"exit_code": returncode})
+
+
+def death_record(match: Any, **extra: Any) -> dict:
+    """A death's class for the state file and status: cause, title, remedy,
+    where it comes from, what is known."""
+    sig = match.entry
+    record = {"cause": match.cls, "title": sig.title, "remedy": sig.remedy,
+              "restart_helps": sig.restart_helps, "source": sig.source,
+              "detail": dict(match.detail)}
+    record.update(extra)
+    return record
+
+
 def group_failure(text: Optional[str], hosts: Sequence[str] = ()) -> Any:
     """The class of a group's failure from its combined output, with the rank
     (and, given the hostfile's hosts in rank order, the host) that failed.

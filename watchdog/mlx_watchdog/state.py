@@ -33,6 +33,9 @@ VERSION = 1
 STOPPED = "stopped"  # written by a daemon that stopped cleanly
 STALE = "stale (watchdog not running)"  # shown for a record whose writer is gone or silent
 STALE_INTERVALS = 3
+# Shown (and `status --json`'s "status") while a restart cannot fix what kills
+# the server (the record's needs_attention; attention.py): a person must act.
+NEEDS_ATTENTION = "needs-attention"
 # `status` exits 0 only when every instance is in one of these (and not stale).
 SERVING_STATES = ("healthy", "busy")
 
@@ -185,7 +188,8 @@ def writer_running(record: Dict[str, Any]) -> bool:
 
 def shown_state(record: Dict[str, Any], now: float, running: bool) -> str:
     """What `status` calls the instance: its state, STOPPED, or STALE when the
-    writer is gone or has not updated it for STALE_INTERVALS intervals."""
+    writer is gone or has not updated it for STALE_INTERVALS intervals, or
+    NEEDS_ATTENTION while a restart cannot fix what kills it."""
     state = record.get("state", "?")
     if state == STOPPED:
         return STOPPED
@@ -195,6 +199,8 @@ def shown_state(record: Dict[str, Any], now: float, running: bool) -> str:
     if _is_number(updated) and _is_number(interval) and interval > 0:
         if now - updated > STALE_INTERVALS * interval:
             return STALE
+    if isinstance(record.get("needs_attention"), dict):
+        return NEEDS_ATTENTION
     return str(state)
 
 
@@ -264,6 +270,7 @@ _STATE_COLOURS = {
     "wedged": "red",
     "down": "red",
     "crash-looping": "magenta",
+    NEEDS_ATTENTION: "red",
 }
 _CALM = ("healthy", "busy", "starting")
 
@@ -354,7 +361,9 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     restarts = str(count)
     if isinstance(restart, dict):
         failed = "" if restart.get("ok") else ", FAILED"
-        restarts += f" ({restart.get('cause')} {_ago(now, restart.get('time'))}{failed})"
+        death = restart.get("death_cause")
+        why = f"{restart.get('cause')}: {death}" if isinstance(death, str) else restart.get("cause")
+        restarts += f" ({why} {_ago(now, restart.get('time'))}{failed})"
     server = record.get("server")
     decode = "-"
     # A stopped or stale row's counts are from a server no one watches now.
@@ -398,6 +407,10 @@ def _details(
             # Shown even while healthy: a known-bad install dies on the first
             # request; a server without the shim would never exit on a death.
             lines.insert(0, f"  WARNING: {' '.join(warning.split())}")
+    attention = record.get("needs_attention")
+    if isinstance(attention, dict):  # a restart cannot fix it: a person must
+        said = attention.get("message") or f"needs attention: {attention.get('cause')}"
+        lines.insert(0, f"  {said} (since {_ago(now, attention.get('since'))})")
     if (state in _CALM or state == STOPPED) and not lines:
         return []
     since = _ago(now, record.get("since"), suffix="")
@@ -421,6 +434,18 @@ def _details(
             f"  restarts: {count}, last {_ago(now, restart.get('time'))} "
             f"({restart.get('cause')}, {outcome}: {restart.get('detail')})"
         )
+    death = record.get("last_death")
+    if isinstance(death, dict) and death.get("cause"):
+        head.append(f"  last death: {death.get('cause')} ({death.get('title')}), "
+                    f"{_ago(now, death.get('time'))}")
+        known = death.get("detail")
+        if isinstance(known, dict) and known:  # a group's failed rank and host, say
+            head.append("    known: " + ", ".join(f"{k}={v}" for k, v in sorted(known.items())))
+        if death.get("remedy"):
+            head.append(f"    remedy: {death.get('remedy')}")
+        source = death.get("source")
+        if isinstance(source, str) and source not in ("", "-"):
+            head.append(f"    upstream: {source}")
     report = record.get("newest_report")
     if isinstance(report, dict) and report.get("file"):
         head.append(f"  newest report: {report['file']}")

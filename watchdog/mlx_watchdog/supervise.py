@@ -32,6 +32,7 @@ margin for the accepted requests to finish, then the normal stop.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import signal
 import socket
@@ -41,7 +42,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import psutil
 
@@ -60,6 +61,7 @@ from .probe import ProbeResult
 from .process import (CpuSampler, ProcessNotFound, ProcessSample, drain_wait_s, stop_draining,
                       terminate_with_grace)
 from .redact import printable
+from .signatures import cause_of_exit, death_record
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
 from .wakeup import Wakeup
@@ -106,9 +108,20 @@ def last_death(heartbeat_file: "Optional[str | os.PathLike[str]]",
 class Child:
     """A child process that leads its own process group."""
 
-    def __init__(self, popen: "subprocess.Popen[bytes]"):
+    def __init__(self, popen: "subprocess.Popen[bytes]",
+                 relay: Optional[threading.Thread] = None,
+                 tail: "Optional[collections.deque[str]]" = None):
         self.popen = popen
         self.pid = popen.pid
+        self.relay = relay  # the thread copying its output (spawn)
+        self.tail = tail if tail is not None else collections.deque(maxlen=OUTPUT_TAIL_LINES)
+
+    def output_tail(self, wait_s: float = 1.0) -> str:
+        """The last lines of its output, once the relay has read them (at most
+        wait_s: a grandchild may hold the pipe open)."""
+        if self.relay is not None:
+            self.relay.join(wait_s)
+        return "".join(list(self.tail))
 
     def poll(self) -> Optional[int]:
         return self.popen.poll()
@@ -173,6 +186,9 @@ PARENT_PID_ENV = contract.PARENT_PID_ENV  # the shim exits when this process is 
 
 
 SERVER_PREFIX = b"[server] "  # on every line of the child's output, in the watchdog's log
+# The child's last lines, kept to classify an exit the shim did not explain
+# (a native abort's "libc++abi: terminating ...", a group's "[ring] ...").
+OUTPUT_TAIL_LINES = 200
 
 
 def spawn(argv: List[str], env: Mapping[str, str], pass_fds: Sequence[int] = ()) -> Child:
@@ -192,12 +208,15 @@ def spawn(argv: List[str], env: Mapping[str, str], pass_fds: Sequence[int] = ())
         preexec_fn=parent_death_signal(),
         pass_fds=tuple(pass_fds),
     )
-    threading.Thread(target=relay_output, args=(popen.stdout,), daemon=True,
-                     name="mlx-watchdog-server-output").start()
-    return Child(popen)
+    tail: "collections.deque[str]" = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+    relay = threading.Thread(target=relay_output, args=(popen.stdout,), kwargs={"tail": tail},
+                             daemon=True, name="mlx-watchdog-server-output")
+    relay.start()
+    return Child(popen, relay, tail)
 
 
-def relay_output(pipe, prefix: bytes = SERVER_PREFIX) -> None:
+def relay_output(pipe, prefix: bytes = SERVER_PREFIX,
+                 tail: "Optional[collections.deque[str]]" = None) -> None:
     """Copy pipe to our stderr line by line, prefixed, until EOF (every
     process of the group closed it). Known secrets are scrubbed, as in every
     line the watchdog writes. Never raises."""
@@ -206,7 +225,10 @@ def relay_output(pipe, prefix: bytes = SERVER_PREFIX) -> None:
     out = getattr(sys.stderr, "buffer", None)
     try:
         for line in iter(pipe.readline, b""):
-            text = scrub(line.decode("utf-8", "replace")).encode("utf-8")
+            decoded = scrub(line.decode("utf-8", "replace"))
+            if tail is not None:
+                tail.append(decoded[:2000])
+            text = decoded.encode("utf-8")
             try:
                 if out is not None:
                     out.write(prefix + text)
@@ -274,6 +296,10 @@ class ChildProcess:
 
     def exited(self) -> Optional[str]:
         return self._supervisor.reap()
+
+    def death(self) -> Optional[Dict[str, Any]]:
+        """The class of the last exit (signatures.death_record), once reaped."""
+        return self._supervisor.last_death
 
     def sample(self, rescan: bool = True) -> ProcessSample:
         return self._cpu.sample(rescan)
@@ -351,7 +377,9 @@ class Supervisor:
         if shim:  # the shim and the watchdog must agree on where reports go
             self.env[defaults.REPORT_DIR_ENV] = str(self.report_dir)
         self.child: Optional[Child] = None
+        self.last_death: Optional[Dict[str, Any]] = None  # the class of the last exit
         self._spawn = spawn
+        self._wall_clock = wall_clock
         self._clock = clock
         self._exit = "is not running"
         # Stopping is flags and a pipe, never a lock: see wakeup.py.
@@ -408,12 +436,39 @@ class Supervisor:
                 return None
             death = last_death(self.heartbeat_file, self.child.pid) if self.shim else None
             self._exit = describe_exit(code, self.shim, death)
+            tail = getattr(self.child, "output_tail", None)
+            match = cause_of_exit(code, death, pid=self.child.pid,
+                                  output=tail() if tail is not None else None,
+                                  hosts=self._group_hosts())
+            self.last_death = death_record(match, pid=self.child.pid, exit_code=code,
+                                           time=self._wall_clock())
             # Asked to stop, the child's exit is what we wanted: no warning.
             log = self.events.info if self._stopping else self.events.warning
-            log("exited", f"server {self._exit}", returncode=code)
+            log("exited", f"server {self._exit}", returncode=code, death_cause=match.cls)
+            if match.cls == "killed" and not self._stopping:  # it left no report: one here
+                path = reports.write_killed_report(self.last_death, directory=self.report_dir,
+                                                   extra=self._report_extra())
+                if path is not None:
+                    self.last_report = str(path)
+                    self.events.info("report", f"wrote {path}", kind="killed")
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
+
+    def _report_extra(self) -> Dict[str, Any]:
+        return {"command": reports_argv(self.command),
+                "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                                   self.command)}
+
+    def _group_hosts(self) -> Optional[List[str]]:
+        """The hosts of an mlx.launch child, in rank order (None: not a group)."""
+        try:
+            from .group import parse_launch
+
+            command = parse_launch(self.command)
+        except Exception:  # noqa: BLE001 - a hostfile gone since the start: no names
+            return None
+        return None if command is None else [host.ssh for host in command.hosts]
 
     def restart(self, reason: str, *, planned: bool = False) -> ActionResult:
         """Stop the child (if any), start a new one (ChildRestart).
@@ -454,9 +509,7 @@ class Supervisor:
             directory=self.report_dir,
             heartbeat_file=self.heartbeat_file,
             wait_s=self.stacks_wait_s,
-            extra={"command": reports_argv(self.command),
-                   "instance": reports.instance_field(self.monitor.name, self.monitor.url,
-                                               self.command)},
+            extra=self._report_extra(),
         )
         if path is not None:
             self.last_report = str(path)

@@ -23,6 +23,12 @@ when stream headers are already out, a final SSE error event; then the
 connection closes. A reaper thread exits with MLX_HOTFIX_EXIT_CODE once every
 client is answered, or when MLX_HOTFIX_EXIT_GRACE runs out.
 
+Every death is classified (mlx_hotfix/signatures.py) before any client is
+told: the class is in the death line (``generation thread died: <class>:
+<Type>: <message>; exiting 70``), the answers' ``"cause"`` (never the
+message's text), the crash report (cause, remedy, source) and the heartbeat's
+``death.cause``, where the watchdog reads it.
+
 Every threaded release 0.28.4 to 0.32.x has the zombie. Two loop shapes
 (patches/loop_shapes.py): 0.30.6+ turns through ``_next_request``, 0.28.4 to
 0.30.5 through its request queue; each has its own shape check, and the
@@ -77,6 +83,7 @@ class Lifeline:
         self._idle = threading.Condition(self._lock)
         self.dead = False
         self.cause = None
+        self.death_class = None  # the cause's class (signatures.Match), or None
         self.died_at = None
         self.in_flight = None
         self.stopping = None  # the signal that asked the server to stop, if one did
@@ -112,11 +119,15 @@ class Lifeline:
 
     def die(self, generator, exc, during_startup):
         try:
+            # Before any client is told: they get its class. A known-bad pair
+            # dies on the first request, never while the model loads.
+            match = classify_death(exc, bad_pair=not during_startup)
             with self._lock:
                 if self.dead:
                     return
                 self.dead = True
                 self.cause = exc
+                self.death_class = match
                 self.died_at = time.monotonic()
                 queues = list(self._queues)
                 self.in_flight = reports.capture_in_flight(self._handlers)  # before the answers
@@ -169,19 +180,26 @@ class Lifeline:
                 recovery.wait_loop_ended(thread, timeout)
             else:
                 thread.join(timeout)
-        where = " during start-up (model load)" if during_startup else ""
+        where = "; during start-up (model load)" if during_startup else ""
         plan = recovery.plan(exc, during_startup) if recovery is not None else None
+        match = self.death_class
+        cls = cause_name(match)
         log.say(
-            "generation thread died%s: %s: %s; %s"
-            % (where, exc.__class__.__name__, _one_line(exc),
+            "generation thread died: %s: %s: %s%s; %s"
+            % (cls, exc.__class__.__name__, _one_line(exc), where,
                plan or "exiting %d" % settings.exit_code)
         )
         pairing = _note_known_bad_pair()
         if plan is None:
-            heartbeat.died("%s: %s" % (exc.__class__.__name__, _one_line(exc)), during_startup)
+            heartbeat.died("%s: %s" % (exc.__class__.__name__, _one_line(exc)), during_startup,
+                           cause=cls)
         if plan is None:  # a recovery writes its own "recovered" report
             extra = {"in_flight": len(self.in_flight or ()), "in_flight_requests": self.in_flight,
                      "exit_code": settings.exit_code, "during_startup": during_startup}
+            extra.update(cause_fields(match))
+            refused = getattr(recovery, "refused", None)
+            if refused:  # MLX_HOTFIX_RECOVER=thread, and this death was not recovered: why
+                extra["recovery_refused"] = refused
             if pairing:
                 extra["pairing_warning"] = pairing
             reports.write_report("died", exc=exc, extra=extra)  # within the grace; never raises
@@ -255,6 +273,63 @@ class Lifeline:
 
 
 lifeline = Lifeline()
+
+
+# -- the death's class (signatures.py, the table shared with the watchdog) -----
+
+# What of a match's detail a report keeps: names of ranks, hosts, devices and
+# numbers, never text that could quote a request (the message is redacted).
+_SAFE_DETAIL = ("rank", "host", "failed_rank", "failed_exit_code", "errno", "fd", "limit",
+                "bytes", "max_bytes", "device", "backend", "missing", "extra", "model_type")
+
+
+def classify_death(exc, bad_pair=False):
+    """The class of a death (a signatures.Match), or None. Never raises. With
+    bad_pair, a death the table does not know, on a known-bad mlx-lm/mlx
+    pair, is that pair's (config-bad-pair): it fails the same way after
+    every restart."""
+    try:
+        import traceback
+
+        from .. import signatures
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        match = signatures.classify(exc.__class__.__name__, str(exc), text)
+        if bad_pair and not match.known and _known_bad_pair():
+            match = signatures.Match(signatures.entry("config-bad-pair"))
+        return match
+    except BaseException:  # noqa: BLE001 - classifying must never make a death worse
+        return None
+
+
+def cause_name(match):
+    return match.cls if match is not None else "unknown"
+
+
+def cause_fields(match):
+    """A report's fields for a death's class: cause, remedy, where it comes from."""
+    if match is None:
+        return {"cause": "unknown"}
+    entry = match.entry
+    detail = {k: v for k, v in match.detail.items()
+              if k in _SAFE_DETAIL and isinstance(v, (int, str)) and len(str(v)) <= 200}
+    return {"cause": match.cls, "cause_title": entry.title, "remedy": entry.remedy,
+            "cause_source": entry.source, "restart_helps": entry.restart_helps,
+            "cause_detail": detail}
+
+
+def _known_bad_pair():
+    """This mlx-lm runs with a package release it is known to die with (a
+    yanked release alone is not a pair)."""
+    try:
+        from .. import pairings
+        from . import mlx_lm_version, mlx_version
+
+        found = pairings.problems(mlx_lm_version(), mlx_version(),
+                                  pairings.installed_version("transformers"))
+        return any("was yanked" not in problem for problem in found)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _note_known_bad_pair():
@@ -417,23 +492,31 @@ def _wrap_handle_completion(original):
 def _wrap_health(original):
     def handle_health_check(self, *args, **kwargs):
         if lifeline.dead:
-            return send_json(self, 503, _with_warning(
-                {"status": "unavailable", "error": error_message()}))
+            body = {"status": "unavailable", "error": error_message()}
+            cause = error_cause()
+            if cause is not None:
+                body["cause"] = cause
+            return send_json(self, 503, _with_warning(body))
         return original(self, *args, **kwargs)
 
     return _wrap(original, handle_health_check)
 
 
+def error_cause():
+    """The class of the death every waiting client is told of (the "cause" of
+    the 503 body, the SSE error event and /health), or None for a stop."""
+    if lifeline.stopping is not None or lifeline.cause is None:
+        return None
+    return cause_name(lifeline.death_class)
+
+
 def answer_dead(handler):
     """Tell one client the server is going away, however far its reply got."""
-    body = {
-        "error": {
-            "message": error_message(),
-            "type": "server_error",
-            "code": 503,
-        }
-    }
-    body = _with_warning(body)
+    error = {"message": error_message(), "type": "server_error", "code": 503}
+    cause = error_cause()
+    if cause is not None:
+        error["cause"] = cause
+    body = _with_warning({"error": error})
     try:
         if handler.__dict__.get("_mlx_hotfix_headers_sent"):
             # A stream already said 200: end it with an error event.
@@ -495,10 +578,13 @@ def _make_main_thread_excepthook(previous):
         )
         # Most often the listener could not bind (the port is taken): at start-up.
         serving = heartbeat.phase() != heartbeat.LOADING
-        heartbeat.died("%s: %s" % (exc_type.__name__, _one_line(exc)), not serving)
-        reports.write_report("died", exc=exc, extra={"exit_code": code, "in_flight": 0,
-                                                     "during_startup": not serving,
-                                                     "thread": "main"})
+        match = classify_death(exc)
+        heartbeat.died("%s: %s" % (exc_type.__name__, _one_line(exc)), not serving,
+                       cause=cause_name(match))
+        extra = {"exit_code": code, "in_flight": 0, "during_startup": not serving,
+                 "thread": "main"}
+        extra.update(cause_fields(match))
+        reports.write_report("died", exc=exc, extra=extra)
         heartbeat.notify_stopping("the server stopped listening; exiting")
         _flush_output()
         os._exit(code)

@@ -286,11 +286,12 @@ def cannot_recover_in_place(exc):
 
 def _write_report(exc, number):
     from .. import reports
-    from .exit_on_death import lifeline
+    from .exit_on_death import cause_fields, lifeline
 
     in_flight = lifeline.in_flight or ()
     extra = {"recovery": number, "in_flight": len(in_flight),
              "in_flight_requests": list(in_flight)}
+    extra.update(cause_fields(lifeline.death_class))  # what it was, recovered from
     try:
         from . import disconnect
 
