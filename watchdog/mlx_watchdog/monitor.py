@@ -21,6 +21,7 @@ from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, rea
 from . import judge as judge_module
 from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
+from .memory_judge import CAUSE as MEMORY_CAUSE, MemoryDecision
 from .metrics import Metrics
 from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
@@ -28,8 +29,9 @@ from .redact import redact_url
 from .state import StateStore
 from .throughput import ReportWatcher, ThroughputTracker
 
-# A restart nothing was wrong for (`mlx-watchdog restart`; later the memory
-# guard): the server drains first; counted apart from the judge's causes.
+# A restart nothing was wrong for (`mlx-watchdog restart`; the memory guard's
+# has its own cause, MEMORY_CAUSE): the server drains first; counted apart
+# from the judge's causes.
 PLANNED = "planned"
 
 # Restart causes whose counters exist (at zero) from the start.
@@ -38,7 +40,7 @@ RESTART_CAUSES = tuple(
     for name in ("NOT_RUNNING", "UNREACHABLE_CAUSE", "DEAD_THREAD", "HEARTBEAT_STALE",
                  "NO_PROGRESS", "BAD_ANSWER", "BUSY_TOO_LONG", "EXITED", "STALLED_CAUSE")
     if isinstance(getattr(judge_module, name, None), str)
-) + (PLANNED,)
+) + (PLANNED, MEMORY_CAUSE)
 
 PlannedDone = Callable[[ActionResult], None]
 
@@ -82,6 +84,7 @@ class Monitor:
         wall_clock: Callable[[], float] = time.time,
         update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
         expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
+        memory_guard=None,  # memory_guard.MemoryGuard: the instance has a memory limit
     ):
         self.name = name
         self.probe = probe
@@ -123,6 +126,7 @@ class Monitor:
         self.expect_shim = heartbeat is not None if expect_shim is None else expect_shim
         self._shim_seen = False  # a fresh heartbeat since the (re)start
         self._shim_warning: Optional[str] = None
+        self.memory_guard = memory_guard
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -211,6 +215,7 @@ class Monitor:
         self._note_warning(beat, probe)
         self._note_shim(beat, probe)
         self._observe_server(record)
+        memory = self.memory_guard.tick(record) if self.memory_guard is not None else None
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -238,8 +243,25 @@ class Monitor:
             self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
             verdict = self.restart(verdict)
+        elif memory is not None and memory.restart:
+            return self._memory_restart(memory, verdict, probe)
         self.report(verdict, probe)
         return verdict
+
+    def _memory_restart(self, decision: MemoryDecision, verdict: Verdict,
+                        probe: ProbeResult) -> Verdict:
+        """The memory guard wants its planned restart now: the `memory`
+        report first (the samples), then the drain and a new server."""
+        self.report(verdict, probe)
+        if self.action is None or self.stopping:
+            return self.verdict or verdict
+        reason = f"memory: {decision.reason}"
+        self.memory_guard.report(decision, reason)
+        result = self.planned_restart(reason, cause=MEMORY_CAUSE)
+        self.memory_guard.restarted(result.ok)
+        if self.state is not None:
+            self.state.update(self.name, self.record())
+        return self.verdict or verdict
 
     def _exited(self) -> Optional[str]:
         exited = getattr(self.process, "exited", None)
@@ -288,6 +310,12 @@ class Monitor:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
         if self.stopping:  # a normal stop: not a failure
             return replace(verdict, restart=False, reason=f"{verdict.reason}; stopping")
+        held = self.memory_guard.hold_restarts if self.memory_guard is not None else None
+        if held:
+            # A new server would meet a machine whose memory is gone: no
+            # crash loop into it. Restarts resume when the memory comes back.
+            return replace(verdict, restart=False, reason=f"{verdict.reason}; restarts held: "
+                                                          f"{held}")
         now = self.clock()
         decision = self.policy.check(now)
         if decision.crash_looping:
@@ -377,6 +405,8 @@ class Monitor:
             "warning": self._warning,
             "shim_warning": self._shim_warning,
             "interval_s": self.update_every_s,
+            "memory": (self.memory_guard.status.as_record()
+                       if self.memory_guard is not None else None),
         }
 
     SHIM_NOT_LOADED = ("the hotfix shim is not loaded (check PYTHONPATH); exit on death and "
@@ -478,6 +508,8 @@ class Monitor:
         self._warning = None  # the new server says its own
         self._shim_seen = False  # the new server must beat again
         self.judge.reset()
+        if self.memory_guard is not None:
+            self.memory_guard.server_ended()
         if self.heartbeat is not None:
             self.heartbeat.reset()
         if self.process is not None:

@@ -1,0 +1,372 @@
+"""The memory guard wired in: the watch keys and supervise/install flags, the
+monitor's soft line (the request file, the metric, the state), the planned
+restart with cause memory and its report, reboot required, the probe that
+is not fooled by the soft line's 503, and `status`. Fakes for our own logic
+only; the real server is tests/test_memory_real.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import io
+
+import pytest
+from click.testing import CliRunner
+
+from harness.fakes import Clock, FakeProcess
+from mlx_watchdog import compose, reports
+from mlx_watchdog.cli import main
+from mlx_watchdog.config import ConfigError, InstanceConfig, RestartConfig, parse_config
+from mlx_watchdog.judge import Judge, JudgeConfig
+from mlx_watchdog.log import setup_logging
+from mlx_watchdog.memory import GiB, Machine, MiB, request_path
+from mlx_watchdog.memory_guard import Readers
+from mlx_watchdog.metrics import Metrics
+from mlx_watchdog.monitor import Monitor
+from mlx_watchdog.policy import RestartPolicy
+from mlx_watchdog.probe import OK, ProbeResult
+from mlx_watchdog.state import StateStore, format_status, read_state
+from tests.test_restart import PlannedAction
+
+GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
+PID = 4242
+
+
+@pytest.fixture
+def logs():
+    stream = io.StringIO()
+    setup_logging("json", stream, level=logging.DEBUG)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    setup_logging("text")
+
+
+# -- the keys and flags --------------------------------------------------------------------
+
+
+def _instance(**keys):
+    body = {"url": "http://127.0.0.1:8080", "restart": {"type": "none"}, **keys}
+    return parse_config({"instances": {"gemma": body}}, "watch.toml").instances[0]
+
+
+def test_the_watch_keys_and_their_defaults():
+    plain = _instance()
+    assert (plain.memory_limit, plain.memory_horizon, plain.memory_idle_wait) == (
+        "auto", 6 * 3600, 300)
+    given = _instance(memory_limit="48G", memory_horizon="30m", memory_idle_wait=90)
+    assert (given.memory_limit, given.memory_horizon, given.memory_idle_wait) == (
+        "48G", 1800, 90)
+    assert _instance(memory_limit="80%").memory_limit == "80%"
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("memory_limit", "48X", "instances.gemma.memory_limit: expected bytes with a unit (48G, "
+                            "512M, 1.5T), a share of RAM (80%), auto or off (memory limit "
+                            "'48X': unknown unit 'X'"),
+    ("memory_limit", 48, "did you mean 48G?"),
+    ("memory_limit", True, "instances.gemma.memory_limit: expected bytes with a unit"),
+    ("memory_horizon", "soon", "instances.gemma.memory_horizon: expected a positive number "
+                               "of seconds or a duration such as \"90s\", \"30m\", \"6h\""),
+    ("memory_idle_wait", -5, "instances.gemma.memory_idle_wait: expected a positive"),
+    ("memory_limt", "48G", 'unknown key (did you mean "memory_limit"?)'),
+])
+def test_bad_watch_keys_name_the_key_and_the_fix(key, value, says):
+    with pytest.raises(ConfigError) as caught:
+        _instance(**{key: value})
+    assert says in str(caught.value)
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--memory-limit", "48X", "memory limit '48X': unknown unit 'X'"),
+    ("--memory-limit", "150%", "a share of RAM must be above 0% and at most 100%"),
+    ("--memory-horizon", "soon", "--memory-horizon 'soon': expected seconds or a duration"),
+    ("--memory-idle-wait", "0", "--memory-idle-wait '0': must be a positive duration"),
+])
+def test_bad_supervise_flags_name_the_fix(flag, value, says):
+    result = CliRunner().invoke(main, ["supervise", flag, value, "--", "true"])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split())
+
+
+def test_install_writes_the_memory_keys_into_the_watch_config(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    result = CliRunner().invoke(main, [
+        "install", "systemd", "--model", str(model), "--port", "18123", "--dry-run",
+        "--output-dir", str(tmp_path / "out"), "--memory-limit", "48G",
+        "--memory-horizon", "2h", "--memory-idle-wait", "90s"])
+    assert result.exit_code == 0, result.output
+    [config] = list((tmp_path / "out").rglob("*.toml"))
+    text = config.read_text()
+    assert 'memory_limit = "48G"' in text and "memory_horizon = 7200.0" in text
+    assert "memory_idle_wait = 90.0" in text
+    from mlx_watchdog.config import load_config
+
+    instance = load_config(config).instances[0]
+    assert (instance.memory_limit, instance.memory_horizon, instance.memory_idle_wait) == (
+        "48G", 7200.0, 90.0)
+    bad = CliRunner().invoke(main, [
+        "install", "systemd", "--model", str(model), "--dry-run",
+        "--output-dir", str(tmp_path / "out2"), "--memory-limit", "lots"])
+    assert bad.exit_code == 2 and "memory limit 'lots': not a size" in bad.output
+
+
+# -- the monitor ----------------------------------------------------------------------------
+
+
+class Server:
+    """The heartbeat file a shimmed server would write, and the readers'
+    numbers: what the test says the server holds."""
+
+    def __init__(self, tmp_path):
+        self.heartbeat = tmp_path / "server.heartbeat"
+        self.pid = PID
+        self.rss = 1 * GiB
+        self.in_flight = 1
+        self.wired = None  # the machine's wired memory (macOS only)
+        self.footprint = None
+
+    def beat(self):
+        self.heartbeat.write_text(json.dumps({
+            "pid": self.pid, "beats": 1, "time": 1.0, "phase": "serving",
+            "in_flight": self.in_flight,
+            "memory": {"rss": self.rss, "mlx_active": self.rss // 2}}))
+
+    def readers(self):
+        return Readers(footprint=lambda pid: self.footprint,
+                       tree_rss=lambda pid: self.rss if pid == self.pid else None,
+                       wired=lambda: self.wired)
+
+
+def guarded_monitor(tmp_path, server, *, limit="10G", idle_wait=60, horizon=3600,
+                    system="linux", action=None, metrics=None):
+    clock = Clock()
+    instance = InstanceConfig(
+        name="gemma", url="http://127.0.0.1:8080", restart=RestartConfig("none"),
+        heartbeat_file=str(server.heartbeat), report_dir=str(tmp_path / "reports"),
+        memory_limit=limit, memory_horizon=horizon, memory_idle_wait=idle_wait, interval=5)
+    from mlx_watchdog.log import Events
+
+    events = Events("gemma")
+    metrics = metrics or Metrics()
+    guard = compose.memory_guard(
+        instance, events=events, metrics=metrics, owner=lambda: server.pid, clock=clock,
+        wall_clock=clock, machine=lambda: Machine(system, ram_bytes=64 * GiB),
+        readers=server.readers())
+
+    def probe():
+        clock.now += 5
+        server.beat()
+        return GOOD
+
+    return Monitor("gemma", probe, judge=Judge(JudgeConfig()),
+                   policy=RestartPolicy(boot_grace_s=0, backoff_initial_s=0),
+                   action=action if action is not None else PlannedAction(),
+                   heartbeat_file=str(server.heartbeat), process=FakeProcess(),
+                   events=events, metrics=metrics, state=StateStore(tmp_path / "state.json"),
+                   clock=clock, wall_clock=clock, memory_guard=guard)
+
+
+def _scrape(metrics):
+    return metrics.render().decode()
+
+
+def test_no_limit_no_guard_and_the_default_says_nothing(tmp_path, logs):
+    server = Server(tmp_path)
+    assert guarded_monitor(tmp_path, server, limit="auto").memory_guard is None
+    assert guarded_monitor(tmp_path, server, limit="off").memory_guard is None
+    assert not [e for e in logs() if e["event"] == "memory"]  # the default, off here
+    mac = guarded_monitor(tmp_path, server, limit="auto", system="darwin")
+    assert mac.memory_guard.config.limit_bytes == 56 * GiB  # 64 GiB RAM minus 8
+
+
+def test_the_soft_line_asks_for_a_trim_and_a_503_then_lets_go(tmp_path, logs):
+    server = Server(tmp_path)
+    action, metrics = PlannedAction(), Metrics()
+    monitor = guarded_monitor(tmp_path, server, action=action, metrics=metrics)
+    monitor.started()
+    monitor.tick()
+    assert not (tmp_path / "server.heartbeat.memory").exists()
+    scrape = _scrape(metrics)
+    assert 'mlx_watchdog_memory_bytes{instance="gemma",kind="measure"} 1.073741824e+09' in scrape
+    assert 'mlx_watchdog_memory_limit_bytes{instance="gemma"} 1.073741824e+10' in scrape
+    assert 'mlx_watchdog_memory_soft{instance="gemma"} 0.0' in scrape
+
+    server.rss = int(8.8 * GiB)  # 88% of 10G: over the soft line
+    monitor.tick()
+    request = json.loads(open(request_path(server.heartbeat)).read())
+    assert request["pid"] == PID and request["trim"] == 1
+    assert request["soft_until"] > monitor.clock()
+    assert 'mlx_watchdog_memory_soft{instance="gemma"} 1.0' in _scrape(metrics)
+    monitor.tick()  # still over: the hold renewed, no second trim yet
+    assert json.loads(open(request_path(server.heartbeat)).read())["trim"] == 1
+    soft = [e for e in logs() if e["event"] == "memory_soft"]
+    assert len(soft) == 1 and "asked the server to trim" in soft[0]["message"]
+    monitor.state.flush()
+    record = read_state(monitor.state.path)["instances"]["gemma"]
+    assert record["memory"]["state"] == "memory_soft"
+    assert record["memory"]["bytes"] == int(8.8 * GiB)
+    assert "88%" in format_status(read_state(monitor.state.path), now=monitor.clock())
+
+    server.rss = 5 * GiB
+    monitor.tick()
+    request = json.loads(open(request_path(server.heartbeat)).read())
+    assert "soft_until" not in request  # /health serves again now
+    assert 'mlx_watchdog_memory_soft{instance="gemma"} 0.0' in _scrape(metrics)
+    assert [e for e in logs() if "back under the soft line" in e["message"]]
+    assert action.planned == [] and action.reasons == []
+
+
+def test_the_hard_line_takes_a_drained_restart_with_a_memory_report(tmp_path, logs):
+    server = Server(tmp_path)
+    action, metrics = PlannedAction(), Metrics()
+    monitor = guarded_monitor(tmp_path, server, action=action, metrics=metrics, idle_wait=60)
+    monitor.started()
+    for size in (2, 4, 6):
+        server.rss = size * GiB
+        monitor.tick()
+    server.rss = int(9.6 * GiB)  # 96%: over the hard line, a request in flight
+    monitor.tick()
+    assert action.planned == []  # it waits for a moment with nothing in flight
+    server.in_flight = 0
+    monitor.tick()
+    assert len(action.planned) == 1 and "over the hard line" in action.planned[0]
+    assert "nothing in flight" in action.planned[0]
+    assert action.reasons == []  # not a wedge restart: no stacks, no backoff
+    scrape = _scrape(metrics)
+    assert 'mlx_watchdog_restarts_total{instance="gemma",reason="memory"} 1.0' in scrape
+    monitor.state.flush()
+    record = read_state(monitor.state.path)["instances"]["gemma"]
+    assert record["last_restart"]["cause"] == "memory"
+    assert record["memory"]["restarts"] == 1
+    [report] = reports.load_reports(tmp_path / "reports")
+    assert report["kind"] == "memory" and report["cause"] == "memory"
+    assert report["trigger"] == "hard" and report["limit_bytes"] == 10 * GiB
+    assert [s["bytes"] for s in report["samples"]] == [
+        2 * GiB, 4 * GiB, 6 * GiB, int(9.6 * GiB), int(9.6 * GiB)]
+    assert report["instance"]["name"] == "gemma"
+    assert "memory" in reports.format_table(reports.load_reports(tmp_path / "reports"))
+    # The new server starts afresh: its samples, its request file.
+    assert monitor.memory_guard.samples() == []
+    assert not (tmp_path / "server.heartbeat.memory").exists()
+
+
+def test_the_hard_line_waits_at_most_the_idle_wait(tmp_path):
+    server = Server(tmp_path)
+    action = PlannedAction()
+    monitor = guarded_monitor(tmp_path, server, action=action, idle_wait=12)
+    monitor.started()
+    server.rss = int(9.6 * GiB)
+    server.in_flight = 3
+    for _ in range(3):  # 5 s a tick
+        monitor.tick()
+    assert action.planned == []
+    monitor.tick()
+    assert len(action.planned) == 1 and "no idle moment in 12s" in action.planned[0]
+
+
+def test_the_trend_restarts_before_the_hard_line(tmp_path):
+    server = Server(tmp_path)
+    action = PlannedAction()
+    monitor = guarded_monitor(tmp_path, server, action=action, horizon=600)
+    monitor.started()
+    server.in_flight = 0
+    server.rss = 2 * GiB
+    for _ in range(40):  # 20 MiB a tick of 5 s: the hard line in about an hour
+        server.rss += 20 * MiB
+        monitor.tick()
+    assert action.planned == []  # an hour away is beyond a 10 min horizon
+    for _ in range(60):
+        server.rss += 200 * MiB  # now it runs: the hard line within minutes
+        monitor.tick()
+        if action.planned:
+            break
+    assert len(action.planned) == 1 and "within the 0.166667 h horizon" in action.planned[0]
+    assert server.rss < 0.95 * 10 * GiB  # before the line itself
+    [report] = reports.load_reports(tmp_path / "reports")
+    assert report["trigger"] == "trend" and report["eta_s"] <= 600
+
+
+def test_the_soft_503_does_not_fail_the_watchdogs_own_probe(tmp_path):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    from mlx_watchdog.probe import Probe
+
+    health = {"status": "memory"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(503, health)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send(200, {"choices": [{"message": {"content": "pong"}}]})
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        probe = Probe(f"http://127.0.0.1:{httpd.server_port}", check_health=True, timeout=10)
+        assert probe().ok  # the soft line: the server serves
+        health["status"] = "loading"
+        result = probe()
+        assert not result.ok and result.dead_thread  # any other 503, as before
+    finally:
+        httpd.shutdown()
+
+
+def test_reboot_required_holds_restarts_until_the_wired_memory_comes_back(tmp_path, logs):
+    server = Server(tmp_path)
+    server.wired = 40 * GiB
+    server.footprint = {"phys_footprint": 9 * GiB, "wired_size": 30 * GiB}
+    action, metrics = PlannedAction(), Metrics()
+    monitor = guarded_monitor(tmp_path, server, action=action, metrics=metrics,
+                              limit="50G", system="darwin")
+    monitor.started()
+    monitor.tick()
+    assert monitor.memory_guard.config.limit_bytes == 50 * GiB
+    assert monitor.planned_restart("operator").ok
+    # The old server is gone, but the machine's wired memory stays up.
+    for _ in range(13):  # 65 s
+        monitor.tick()
+    guard = monitor.memory_guard
+    assert guard.hold_restarts and "reboot required" in guard.hold_restarts
+    assert 'mlx_watchdog_reboot_required{instance="gemma"} 1.0' in _scrape(metrics)
+    assert [e for e in logs() if e["event"] == "reboot-required" and e["level"] == "error"]
+    from mlx_watchdog.judge import Verdict, WEDGED
+
+    held = monitor.restart(Verdict(WEDGED, "hung", True, "heartbeat-stale"))
+    assert not held.restart and "restarts held: reboot required" in held.reason
+    assert action.reasons == []
+    monitor.state.flush()
+    record = read_state(monitor.state.path)["instances"]["gemma"]
+    assert "REBOOT REQUIRED" in format_status(read_state(monitor.state.path),
+                                              now=monitor.clock())
+    assert record["memory"]["reboot_required"]
+    server.wired = 8 * GiB  # it came back after all
+    monitor.tick()
+    assert guard.hold_restarts is None
+    assert 'mlx_watchdog_reboot_required{instance="gemma"} 0.0' in _scrape(metrics)
+
+
+def test_status_shows_memory_against_the_limit_only_where_guarded():
+    now = 1000.0
+    data = {"instances": {
+        "a": {"state": "healthy", "since": now, "memory": {
+            "bytes": 6 * GiB, "limit_bytes": 10 * GiB, "state": "ok"}},
+        "b": {"state": "healthy", "since": now, "memory": None}}}
+    text = format_status(data, now=now)
+    assert "MEMORY" in text.splitlines()[0]
+    assert "6.0G/10.0G 60%" in text
+    plain = format_status({"instances": {"b": data["instances"]["b"]}}, now=now)
+    assert "MEMORY" not in plain
