@@ -370,3 +370,59 @@ def test_status_shows_memory_against_the_limit_only_where_guarded():
     assert "6.0G/10.0G 60%" in text
     plain = format_status({"instances": {"b": data["instances"]["b"]}}, now=now)
     assert "MEMORY" not in plain
+
+
+# -- jetsam: a SIGKILL death without a report of its own (macOS) -----------------------------
+
+
+def test_a_sigkilled_child_named_in_a_jetsam_report_gets_a_report_with_cause_jetsam(tmp_path):
+    import signal
+    from pathlib import Path
+
+    from mlx_watchdog import macos
+    from mlx_watchdog.supervise import Supervisor
+    from tests.test_supervise import FakeSpawner, Probes
+
+    jetsam_file = Path(__file__).parent / "data" / "macos" / "JetsamEvent-2026-05-15-220357.ips"
+    looked_up = []
+
+    def find_jetsam(pid, since=None):
+        looked_up.append(pid)
+        # The recorded report names pid 41733; the test's child stands for it.
+        kill = macos.jetsam_kill_in(jetsam_file.read_text(), 41733, str(jetsam_file))
+        return kill if pid == 1000 else None
+
+    clock = Clock(100.0)
+    spawner = FakeSpawner()
+    supervisor = Supervisor(
+        ["mlx_lm.server", "--port", "8080"],
+        InstanceConfig("test", "http://127.0.0.1:8080", RestartConfig("none"),
+                       report_dir=str(tmp_path / "reports")),
+        probe=Probes(clock), env={"PATH": "/usr/bin"}, heartbeat_file=tmp_path / "hb.json",
+        policy=RestartPolicy(boot_grace_s=0, backoff_initial_s=0), spawn=spawner,
+        process=FakeProcess(), metrics=Metrics(), clock=clock, wall_clock=clock,
+        jetsam=find_jetsam)
+    supervisor.start()
+    supervisor.tick()
+    spawner.current.code = -signal.SIGKILL
+    supervisor.tick()  # reaped, looked up, restarted
+    assert looked_up == [1000]
+    [report] = reports.load_reports(tmp_path / "reports")
+    assert report["cause"] == "jetsam" and report["kind"] == "killed"
+    assert report["jetsam"]["reason"] == "vm-compressor-space-shortage"
+    assert report["jetsam"]["largest_process"] == "python3.12"
+    assert "killed by jetsam (vm-compressor-space-shortage)" in report["reason"]
+    assert len(spawner.children) == 2  # restarted as for any exit
+    # Another way to die (not SIGKILL) is not looked up.
+    spawner.current.code = 1
+    supervisor.tick()
+    assert looked_up == [1000]
+
+
+def test_jetsam_is_looked_up_only_on_macos():
+    from mlx_watchdog.supervise import Supervisor
+
+    supervisor = Supervisor(["true"], InstanceConfig("t", "http://127.0.0.1:8080",
+                                                     RestartConfig("none")),
+                            env={}, probe=lambda: GOOD, listener_check=False)
+    assert supervisor._jetsam is None  # Linux here

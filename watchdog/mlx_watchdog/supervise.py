@@ -326,6 +326,9 @@ class Supervisor:
         state: Optional[StateStore] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        # A SIGKILL death without a report of its own: macOS's jetsam report
+        # of that pid (macos.find_jetsam(pid, since=...)), or None (not macOS).
+        jetsam: Optional[Callable[..., object]] = None,
     ):
         if not command:
             raise ValueError("no command to supervise")
@@ -351,6 +354,12 @@ class Supervisor:
         if shim:  # the shim and the watchdog must agree on where reports go
             self.env[defaults.REPORT_DIR_ENV] = str(self.report_dir)
         self.child: Optional[Child] = None
+        self._child_started: Optional[float] = None  # wall clock, for the jetsam lookup
+        if jetsam is None:
+            from .macos import find_jetsam, is_macos
+
+            jetsam = find_jetsam if is_macos() else None
+        self._jetsam = jetsam
         self._spawn = spawn
         self._clock = clock
         self._exit = "is not running"
@@ -411,6 +420,8 @@ class Supervisor:
             # Asked to stop, the child's exit is what we wanted: no warning.
             log = self.events.info if self._stopping else self.events.warning
             log("exited", f"server {self._exit}", returncode=code)
+            if code == -signal.SIGKILL and death is None and not self._stopping:
+                self._note_jetsam(self.child.pid)
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
@@ -437,6 +448,37 @@ class Supervisor:
         if result.ok and stopped:
             return ActionResult(True, f"{stopped}; {result.detail}")
         return result
+
+    def _note_jetsam(self, pid: int) -> None:
+        """A child SIGKILLed by no one we know of, with no report of its own:
+        on macOS, look for the jetsam report that names it (its pid, the
+        largest process, the reason), and write a report with cause jetsam.
+        Never raises."""
+        if self._jetsam is None:
+            return
+        try:
+            kill = self._jetsam(pid, since=(self._child_started or 0) - 60)
+        except Exception:  # noqa: BLE001 - evidence must never stop the respawn
+            return
+        if kill is None:
+            return
+        what = kill.describe()
+        self.events.warning("jetsam", what, pid=pid)
+        self._exit = f"{self._exit}: {what}"
+        path = reports.write_report(self.report_dir, {
+            "schema": reports.SCHEMA, "kind": "killed", "cause": "jetsam",
+            "time": time.time(), "pid": pid, "source": "watchdog",
+            "reason": f"macOS {what}", "exit_code": -signal.SIGKILL, "in_flight": None,
+            "jetsam": {"pid": kill.pid, "name": kill.name, "reason": kill.reason,
+                       "largest_process": kill.largest_process,
+                       "resident_bytes": kill.resident_bytes, "timestamp": kill.timestamp,
+                       "file": kill.path},
+            "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                               self.command),
+        })
+        if path is not None:
+            self.last_report = str(path)
+            self.events.info("report", f"wrote {path}", kind="killed", cause="jetsam")
 
     def _capture_stacks(self, reason: str) -> None:
         """SIGUSR1 to the child's processes (those with the shim's stacks
@@ -475,6 +517,7 @@ class Supervisor:
                 self.child = self._spawn(argv, self.env, pass_fds=(fd,))
             else:
                 self.child = self._spawn(self.command, self.env)
+            self._child_started = time.time()
         except OSError as exc:
             return ActionResult(False, f"cannot run {self.command[0]!r}: {exc.strerror or exc}")
         return ActionResult(True, f"started pid {self.child.pid}")
