@@ -426,3 +426,86 @@ def test_jetsam_is_looked_up_only_on_macos():
                                                      RestartConfig("none")),
                             env={}, probe=lambda: GOOD, listener_check=False)
     assert supervisor._jetsam is None  # Linux here
+
+
+# -- keep the Mac awake: caffeinate -i -s -w <server pid> from the watchdog ------------------
+
+
+class Spawned:
+    def __init__(self, argv):
+        self.argv = list(argv)
+        self.code = None
+
+    def poll(self):
+        return self.code
+
+
+def test_keep_awake_watches_each_server_pid_once_on_macos(logs):
+    from mlx_watchdog.keep_awake import KeepAwake
+    from mlx_watchdog.log import Events
+
+    spawned = []
+
+    def spawn(argv):
+        spawned.append(Spawned(argv))
+        return spawned[-1]
+
+    awake = KeepAwake(Events("gemma"), spawn=spawn, platform="darwin")
+    awake.observe(None)
+    awake.observe(4242)
+    awake.observe(4242)
+    assert [p.argv for p in spawned] == [["/usr/bin/caffeinate", "-i", "-s", "-w", "4242"]]
+    spawned[0].code = 0  # the server ended, and caffeinate with it
+    awake.observe(4242)  # the heartbeat still names it: no respawn loop
+    awake.observe(4343)  # the next server
+    assert [p.argv[-1] for p in spawned] == ["4242", "4343"]
+
+    def broken(argv):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    failing = KeepAwake(Events("gemma"), spawn=broken, platform="darwin")
+    failing.observe(1)
+    failing.observe(1)
+    said = [e for e in logs() if e["event"] == "keep-awake" and e["level"] == "warning"]
+    assert len(said) == 1 and "the Mac may sleep" in said[0]["message"]
+    linux = KeepAwake(Events("gemma"), spawn=spawn, platform="linux")
+    linux.observe(5000)
+    assert len(spawned) == 2
+
+
+def test_the_monitor_keeps_the_current_server_awake(tmp_path):
+    from mlx_watchdog.keep_awake import KeepAwake
+    from mlx_watchdog.log import Events
+
+    server = Server(tmp_path)
+    spawned = []
+    monitor = guarded_monitor(tmp_path, server, limit="off")
+    monitor.keep_awake = KeepAwake(Events("gemma"), spawn=lambda a: spawned.append(a) or
+                                   Spawned(a), platform="darwin")
+    monitor.started()
+    monitor.tick()
+    assert spawned == [["/usr/bin/caffeinate", "-i", "-s", "-w", str(PID)]]
+    assert _instance(caffeinate=True).caffeinate and not _instance().caffeinate
+
+
+def test_install_launchd_keeps_awake_unless_allow_sleep(tmp_path):
+    import tomllib
+
+    model = tmp_path / "model"
+    model.mkdir()
+
+    def config(*flags, manager="launchd"):
+        out = tmp_path / f"out{len(flags)}{manager}"
+        result = CliRunner().invoke(main, [
+            "install", manager, "--model", str(model), "--port", "18124", "--dry-run",
+            "--output-dir", str(out), *flags])
+        assert result.exit_code == 0, result.output
+        [path] = list(out.rglob("*.toml"))
+        return tomllib.loads(path.read_text())["instances"]["mlx-18124"]
+
+    assert config()["caffeinate"] is True
+    assert "caffeinate" not in config("--allow-sleep")
+    assert "caffeinate" not in config(manager="systemd")
+    bad = CliRunner().invoke(main, ["install", "systemd", "--model", str(model), "--dry-run",
+                                    "--output-dir", str(tmp_path / "x"), "--allow-sleep"])
+    assert bad.exit_code == 2 and "is for launchd only" in bad.output

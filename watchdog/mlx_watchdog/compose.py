@@ -16,6 +16,7 @@ from .config import InstanceConfig
 from .group import heartbeat_tracker
 from .heartbeat import SERVING, STALLED, read_heartbeat
 from .judge import Judge, JudgeConfig
+from .keep_awake import KeepAwake
 from .log import Events
 from .memory import Machine, format_bytes, parse_memory_limit, resolve_limit
 from .memory_guard import MemoryGuard, Readers, guard_config
@@ -97,6 +98,7 @@ def build_monitor(
         expect_shim=expect_shim,
         memory_guard=memory_guard(instance, events=events, metrics=metrics, owner=owner,
                                   clock=clock, wall_clock=wall_clock, machine=machine),
+        keep_awake=KeepAwake(events) if instance.caffeinate else None,
     )
 
 

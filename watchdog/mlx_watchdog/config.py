@@ -21,7 +21,8 @@ default 60 s), stop_grace (SIGTERM to
 SIGKILL, default 30 s), report_dir (where crash reports go), the memory
 guard's memory_limit ("48G", "512M", "80%", "auto" or "off"; default auto:
 macOS only), memory_horizon and memory_idle_wait (seconds or "6h", "5m";
-defaults 6 h and 5 min), and at
+defaults 6 h and 5 min), caffeinate (macOS: keep the Mac awake while the
+server runs; install launchd sets it unless --allow-sleep), and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
 replaced; prefer pidfile or process_match. A signal restart's target doubles
@@ -129,6 +130,7 @@ class InstanceConfig:
     memory_limit: str = defaults.MEMORY_LIMIT  # as written: 48G, 512M, 80%, auto, off
     memory_horizon: float = defaults.MEMORY_HORIZON_S
     memory_idle_wait: float = defaults.MEMORY_IDLE_WAIT_S
+    caffeinate: bool = False  # macOS: caffeinate -i -s -w <server pid> (keep_awake.py)
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,7 @@ _INSTANCE = {
     "memory_limit": (_memory_limit, defaults.MEMORY_LIMIT),
     "memory_horizon": (_duration, defaults.MEMORY_HORIZON_S),
     "memory_idle_wait": (_duration, defaults.MEMORY_IDLE_WAIT_S),
+    "caffeinate": (_bool, False),
 }
 
 _ACTION_TIMEOUT = (_seconds, defaults.ACTION_TIMEOUT_S)

@@ -85,6 +85,7 @@ class Monitor:
         update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
         expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
         memory_guard=None,  # memory_guard.MemoryGuard: the instance has a memory limit
+        keep_awake=None,  # keep_awake.KeepAwake: caffeinate for the server's pid (macOS)
     ):
         self.name = name
         self.probe = probe
@@ -127,6 +128,7 @@ class Monitor:
         self._shim_seen = False  # a fresh heartbeat since the (re)start
         self._shim_warning: Optional[str] = None
         self.memory_guard = memory_guard
+        self.keep_awake = keep_awake
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -216,6 +218,9 @@ class Monitor:
         self._note_shim(beat, probe)
         self._observe_server(record)
         memory = self.memory_guard.tick(record) if self.memory_guard is not None else None
+        if self.keep_awake is not None:
+            pid = (record or {}).get("pid")
+            self.keep_awake.observe(pid if isinstance(pid, int) and pid > 0 else None)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)

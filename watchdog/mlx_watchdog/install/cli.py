@@ -164,6 +164,10 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
               callback=lambda ctx, param, value: _memory_setting(value, "--memory-idle-wait"),
               help="A memory restart waits up to this long for no request in flight "
                    "(seconds, or 90s, 5m) [default: 5m].")
+@click.option("--allow-sleep", "allow_sleep", is_flag=True,
+              help="launchd: let the Mac sleep while the server runs. By default the "
+                   "watchdog runs `caffeinate -i -s -w <server pid>` (a Mac asleep "
+                   "mid-generation is a hang to every client).")
 @click.option("--socket/--no-socket", "listen_socket", default=True, show_default=True,
               help="The service manager holds the server's listening socket (a systemd .socket "
                    "unit, a launchd Sockets entry) and the server inherits it: connections "
@@ -181,6 +185,12 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
                     server_args: Tuple[str, ...], **watch_settings: object) -> None:
     from . import execute, plan
 
+    allow_sleep = bool(watch_settings.pop("allow_sleep", False))
+    if allow_sleep and manager != "launchd":
+        raise click.BadParameter("is for launchd only (systemd machines do not sleep by "
+                                 "default)", param_hint=["--allow-sleep"])
+    if manager == "launchd" and not allow_sleep:
+        watch_settings["caffeinate"] = True
     try:
         planned = plan.prepare(
             server_env=server_env, metrics_port=metrics_port, metrics_host=metrics_host,
