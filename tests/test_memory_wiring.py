@@ -509,3 +509,62 @@ def test_install_launchd_keeps_awake_unless_allow_sleep(tmp_path):
     bad = CliRunner().invoke(main, ["install", "systemd", "--model", str(model), "--dry-run",
                                     "--output-dir", str(tmp_path / "x"), "--allow-sleep"])
     assert bad.exit_code == 2 and "is for launchd only" in bad.output
+
+
+# -- doctor: pmset and the sum of wired limits (macOS, from recorded outputs) ------------------
+
+
+def _mac_runner(pmset_file, *, memsize=64 * GiB, wired_mb="0"):
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "macos"
+
+    def runner(argv):
+        if argv[0].endswith("pmset"):
+            return (data / pmset_file).read_text()
+        if argv[-1] == "hw.memsize":
+            return f"{memsize}\n"
+        if argv[-1] == "iogpu.wired_limit_mb":
+            return f"{wired_mb}\n"
+        return None
+
+    return runner
+
+
+def _doctor_checks(pmset_file, servers, **machine):
+    from mlx_watchdog.doctor import Group, mac_memory_checks
+
+    group = Group("Sleep and memory (macOS)")
+    mac_memory_checks(group, runner=_mac_runner(pmset_file, **machine), platform="darwin",
+                      servers=lambda: servers)
+    return [(c.status, c.message, c.fix) for c in group.checks]
+
+
+def test_doctor_names_the_pmset_sleep_of_a_laptop_and_its_fix():
+    checks = _doctor_checks("pmset-g-laptop.txt", 0, wired_mb="49152")
+    (status, message, fix), wired = checks
+    assert status == "warn" and message.startswith("pmset: sleep 1: the Mac sleeps after 1")
+    assert "caffeinate -i -s -w" in fix and "sudo pmset -a sleep 0" in fix
+    assert wired[0] == "ok" and "0 mlx_lm server(s) running, and this one" in wired[1]
+
+
+def test_doctor_passes_a_mac_that_never_sleeps():
+    checks = _doctor_checks("pmset-g-disablesleep.txt", 0, wired_mb="49152")
+    assert checks[0][0] == "ok" and "does not sleep" in checks[0][1]
+
+
+def test_doctor_warns_when_the_servers_wired_limits_add_up_past_the_ram():
+    # Six servers each allowed to wire 48 GiB of a 64 GiB Mac (mlx-lm PR #1252).
+    *_, (status, message, fix) = _doctor_checks("pmset-g-disablesleep.txt", 5, wired_mb="49152")
+    assert status == "warn"
+    assert "5 mlx_lm server(s) running, and this one: each may wire up to 48.0G, 288.0G in " \
+           "all, against 64.0G of RAM" in message
+    assert "PR #1252" in message and "--memory-limit" in fix
+    *_, (status, _, _) = _doctor_checks("pmset-g-disablesleep.txt", 0, wired_mb="49152")
+    assert status == "ok"  # one server alone may wire its cap
+
+
+def test_doctor_has_no_macos_group_on_linux():
+    from mlx_watchdog.doctor import Context, memory_group
+
+    assert memory_group(Context(None, "", "127.0.0.1", 8080, None, {})) is None
