@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
@@ -29,7 +28,7 @@ from harness.procs import chat
 from harness.server import base_env, free_port
 from harness.watchdog_run import WatchdogProcess, wait_serving
 from tests.conftest import FAULTS_DIR
-from tests.test_supervise_socket import server_command
+from tests.test_supervise_socket import server_command, supervisors  # noqa: F401
 
 pytestmark = pytest.mark.server
 
@@ -40,22 +39,6 @@ FAST = ["--probe-interval", "1", "--probe-timeout", "30", "--failures", "3",
 # The leak's server: its size at rest plus this much is the limit, so the
 # soft line (85%) and the hard line (95%) are a few dozen requests away.
 HEADROOM = 640 * MiB
-
-
-@pytest.fixture
-def supervisors(tmp_path):
-    started: List[WatchdogProcess] = []
-
-    def start(name: str, args: List[str], env: dict) -> WatchdogProcess:
-        environment = base_env(shim=False)  # supervise puts the shim on PYTHONPATH
-        environment.update(env)
-        proc = WatchdogProcess(tmp_path, args, name=name, env=environment)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.cleanup()
 
 
 def leak_env(tmp_path: Path, leak_bytes: int = 0) -> dict:
@@ -88,6 +71,17 @@ def at_rest_bytes(tiny_llama, tmp_path_factory) -> int:
         sup.cleanup()
 
 
+def guarded(supervisors, name: str, tiny_llama, limit: int, env: dict, *flags: str):
+    """`supervise --memory-limit LIMIT` of a real shimmed server; (process, url)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    sup = supervisors(name, ["supervise", "--name", name, *FAST, "--memory-limit", str(limit),
+                             "--memory-idle-wait", "30s", *flags, "--",
+                             *server_command("0.32.2", tiny_llama, port)], env)
+    wait_serving(url, LOAD_S, log=sup)
+    return sup, url
+
+
 def paced_client(url: str, pause_s: float) -> ClientLoop:
     """One request after another, a short pause between (a person at a chat)."""
     def send():
@@ -108,13 +102,7 @@ def failures(loop: ClientLoop) -> list:
 def test_a_leaking_server_is_trimmed_then_restarted_drained_before_the_limit(
         supervisors, tiny_llama, tmp_path, at_rest_bytes):
     limit = at_rest_bytes + HEADROOM
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    sup = supervisors("leak", ["supervise", "--name", "leak", *FAST,
-                               "--memory-limit", str(limit), "--memory-idle-wait", "30s",
-                               "--", *server_command("0.32.2", tiny_llama, port)],
-                      leak_env(tmp_path, 16 * MiB))
-    wait_serving(url, LOAD_S, log=sup)
+    sup, url = guarded(supervisors, "leak", tiny_llama, limit, leak_env(tmp_path, 16 * MiB))
     loop = paced_client(url, 0.3)
     try:
         sup.wait_for(lambda: memory_restarts(sup), LOAD_S, "a memory restart")
@@ -156,13 +144,7 @@ def test_a_leaking_server_is_trimmed_then_restarted_drained_before_the_limit(
 def test_a_healthy_server_under_the_same_limit_and_load_is_never_restarted(
         supervisors, tiny_llama, tmp_path, at_rest_bytes):
     limit = at_rest_bytes + HEADROOM
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    sup = supervisors("healthy", ["supervise", "--name", "healthy", *FAST,
-                                  "--memory-limit", str(limit), "--memory-idle-wait", "30s",
-                                  "--", *server_command("0.32.2", tiny_llama, port)],
-                      leak_env(tmp_path))
-    wait_serving(url, LOAD_S, log=sup)
+    sup, url = guarded(supervisors, "healthy", tiny_llama, limit, leak_env(tmp_path))
     loop = paced_client(url, 0.3)
     try:
         # As many requests as took the leaking server past its limit, and more.
@@ -181,14 +163,8 @@ def test_a_healthy_server_under_the_same_limit_and_load_is_never_restarted(
 def test_a_slow_leak_is_restarted_on_the_trend_before_the_soft_line(
         supervisors, tiny_llama, tmp_path, at_rest_bytes):
     limit = at_rest_bytes + 4 * HEADROOM
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    sup = supervisors("trend", ["supervise", "--name", "trend", *FAST,
-                                "--memory-limit", str(limit), "--memory-horizon", "2m",
-                                "--memory-idle-wait", "30s",
-                                "--", *server_command("0.32.2", tiny_llama, port)],
-                      leak_env(tmp_path, 4 * MiB))
-    wait_serving(url, LOAD_S, log=sup)
+    sup, url = guarded(supervisors, "trend", tiny_llama, limit, leak_env(tmp_path, 4 * MiB),
+                       "--memory-horizon", "2m")
     loop = paced_client(url, 0.2)
     try:
         sup.wait_for(lambda: memory_restarts(sup), LOAD_S * 2, "a memory restart on the trend")

@@ -7,8 +7,6 @@ only; the real server is tests/test_memory_real.py."""
 from __future__ import annotations
 
 import json
-import logging
-import io
 
 import pytest
 from click.testing import CliRunner
@@ -18,7 +16,6 @@ from mlx_watchdog import compose, reports
 from mlx_watchdog.cli import main
 from mlx_watchdog.config import ConfigError, InstanceConfig, RestartConfig, parse_config
 from mlx_watchdog.judge import Judge, JudgeConfig
-from mlx_watchdog.log import setup_logging
 from mlx_watchdog.memory import GiB, Machine, MiB, request_path
 from mlx_watchdog.memory_guard import Readers
 from mlx_watchdog.metrics import Metrics
@@ -26,18 +23,11 @@ from mlx_watchdog.monitor import Monitor
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.probe import OK, ProbeResult
 from mlx_watchdog.state import StateStore, format_status, read_state
+from tests.test_monitor import logs  # noqa: F401 - a fixture
 from tests.test_restart import PlannedAction
 
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)
 PID = 4242
-
-
-@pytest.fixture
-def logs():
-    stream = io.StringIO()
-    setup_logging("json", stream, level=logging.DEBUG)
-    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
-    setup_logging("text")
 
 
 # -- the keys and flags --------------------------------------------------------------------
@@ -286,43 +276,16 @@ def test_the_trend_restarts_before_the_hard_line(tmp_path):
     assert report["trigger"] == "trend" and report["eta_s"] <= 600
 
 
-def test_the_soft_503_does_not_fail_the_watchdogs_own_probe(tmp_path):
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    import threading
-
+def test_the_soft_503_does_not_fail_the_watchdogs_own_probe():
+    from harness.fakeserver import FakeServer, json_answer
     from mlx_watchdog.probe import Probe
 
-    health = {"status": "memory"}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _send(self, status, body):
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._send(503, health)
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self._send(200, {"choices": [{"message": {"content": "pong"}}]})
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        probe = Probe(f"http://127.0.0.1:{httpd.server_port}", check_health=True, timeout=10)
+    with FakeServer(health=json_answer(503, {"status": "memory", "in_flight": 0})) as server:
+        probe = Probe(server.url, check_health=True, timeout=10)
         assert probe().ok  # the soft line: the server serves
-        health["status"] = "loading"
+        server.health = json_answer(503, {"status": "loading"})
         result = probe()
         assert not result.ok and result.dead_thread  # any other 503, as before
-    finally:
-        httpd.shutdown()
 
 
 def test_reboot_required_holds_restarts_until_the_wired_memory_comes_back(tmp_path, logs):

@@ -120,6 +120,10 @@ def memory_guard(instance: InstanceConfig, *, events: Events, metrics: Optional[
             return None  # the default, off here: nothing to say on every start
         events.info("memory", limit.reason)
         return None
+    if instance.heartbeat_file is None and owner is None:
+        events.warning("memory", f"memory_limit {instance.memory_limit}: the memory guard "
+                                 "finds the server through the shim's heartbeat; set "
+                                 "heartbeat_file (install does), or it measures nothing")
     config = guard_config(limit.bytes, horizon_s=instance.memory_horizon,
                           idle_wait_s=instance.memory_idle_wait)
     events.info("memory", f"memory guard on: {limit.reason}; soft line "

@@ -260,6 +260,8 @@ class Monitor:
         self.report(verdict, probe)
         if self.action is None or self.stopping:
             return self.verdict or verdict
+        if self.memory_guard.hold_restarts:
+            return self.verdict or verdict  # reboot required: a new server has no room
         reason = f"memory: {decision.reason}"
         self.memory_guard.report(decision, reason)
         result = self.planned_restart(reason, cause=MEMORY_CAUSE)
