@@ -531,3 +531,11 @@ def test_doctor_has_no_macos_group_on_linux():
     from mlx_watchdog.doctor import Context, memory_group
 
     assert memory_group(Context(None, "", "127.0.0.1", 8080, None, {})) is None
+
+
+def test_a_memory_kind_no_longer_measured_leaves_the_scrape():
+    metrics = Metrics()
+    metrics.memory("gemma", {"measure": 5, "rss": 5, "mlx_active": 3}, soft=False)
+    metrics.memory("gemma", {"measure": 6, "rss": 6}, soft=False)
+    scrape = _scrape(metrics)
+    assert 'kind="rss"} 6.0' in scrape and 'kind="mlx_active"' not in scrape

@@ -118,6 +118,7 @@ class Metrics:
             ["instance", "kind"],
             registry=self.registry,
         )
+        self._memory_kinds: "dict[str, set]" = {}
         self.memory_limit_bytes = Gauge(
             "mlx_watchdog_memory_limit_bytes",
             "The memory guard's limit (memory_limit / --memory-limit); the soft line is 85% "
@@ -181,8 +182,15 @@ class Metrics:
         self.reboot_required_gauge.labels(instance).set(0)
 
     def memory(self, instance: str, parts: "dict[str, int]", *, soft: bool) -> None:
+        # A kind not measured this time (no heartbeat yet, a new server) is
+        # dropped, not left at its last value.
+        kinds = self._memory_kinds.setdefault(instance, set())
+        for kind in kinds - set(parts):
+            self.memory_bytes.remove(instance, kind)
+        kinds.clear()
         for kind, value in parts.items():
             self.memory_bytes.labels(instance, kind).set(value)
+            kinds.add(kind)
         self.memory_soft.labels(instance).set(1 if soft else 0)
 
     def reboot_required(self, instance: str, required: bool) -> None:
