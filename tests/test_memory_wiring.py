@@ -128,7 +128,7 @@ class Server:
 
 
 def guarded_monitor(tmp_path, server, *, limit="10G", idle_wait=60, horizon=3600,
-                    system="linux", action=None, metrics=None):
+                    system="linux", action=None, metrics=None, supervised=True):
     clock = Clock()
     instance = InstanceConfig(
         name="gemma", url="http://127.0.0.1:8080", restart=RestartConfig("none"),
@@ -139,7 +139,8 @@ def guarded_monitor(tmp_path, server, *, limit="10G", idle_wait=60, horizon=3600
     events = Events("gemma")
     metrics = metrics or Metrics()
     guard = compose.memory_guard(
-        instance, events=events, metrics=metrics, owner=lambda: server.pid, clock=clock,
+        instance, events=events, metrics=metrics,
+        owner=(lambda: server.pid) if supervised else None, clock=clock,
         wall_clock=clock, machine=lambda: Machine(system, ram_bytes=64 * GiB),
         readers=server.readers())
 
@@ -539,3 +540,18 @@ def test_a_memory_kind_no_longer_measured_leaves_the_scrape():
     metrics.memory("gemma", {"measure": 6, "rss": 6}, soft=False)
     scrape = _scrape(metrics)
     assert 'kind="rss"} 6.0' in scrape and 'kind="mlx_active"' not in scrape
+
+
+def test_watched_the_server_is_found_through_its_heartbeat(tmp_path):
+    """`watch` has no child: the heartbeat's pid is the server's."""
+    server = Server(tmp_path)
+    monitor = guarded_monitor(tmp_path, server, supervised=False)
+    monitor.started()
+    server.rss = int(8.8 * GiB)
+    monitor.tick()
+    assert json.loads(open(request_path(server.heartbeat)).read())["pid"] == PID
+    monitor.state.flush()
+    memory = read_state(monitor.state.path)["instances"]["gemma"]["memory"]
+    assert memory["parts"]["tree_rss"] == int(8.8 * GiB)
+    assert memory["parts"]["mlx_active"] == int(8.8 * GiB) // 2
+    assert memory["source"] == "RSS of the process tree"

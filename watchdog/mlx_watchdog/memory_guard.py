@@ -90,7 +90,8 @@ class MemoryStatus:
         return {"bytes": self.bytes, "limit_bytes": self.limit_bytes,
                 "share": None if self.share is None else round(self.share, 4),
                 "state": self.state, "source": self.source, "reason": self.reason,
-                "restarts": self.restarts, "reboot_required": self.reboot_required}
+                "restarts": self.restarts, "reboot_required": self.reboot_required,
+                "parts": dict(self.parts)}
 
 
 class MemoryGuard:
