@@ -555,3 +555,66 @@ def test_watched_the_server_is_found_through_its_heartbeat(tmp_path):
     assert memory["parts"]["tree_rss"] == int(8.8 * GiB)
     assert memory["parts"]["mlx_active"] == int(8.8 * GiB) // 2
     assert memory["source"] == "RSS of the process tree"
+
+
+class WiredAtRestart(PlannedAction):
+    """A restart whose old server frees its wired memory, and whose new one
+    wires the same again before the next tick (a quick model load)."""
+
+    def __init__(self, server):
+        super().__init__()
+        self.server = server
+
+    def restart_planned(self, reason):
+        self.server.wired = 10 * GiB  # the old one is gone, the new one still imports
+        return super().restart_planned(reason)
+
+
+def test_wired_memory_freed_at_the_restart_is_seen_before_the_new_server_wires_it(tmp_path):
+    server = Server(tmp_path)
+    server.wired = 40 * GiB
+    server.footprint = {"phys_footprint": 9 * GiB, "wired_size": 30 * GiB}
+    action = WiredAtRestart(server)
+    monitor = guarded_monitor(tmp_path, server, action=action, limit="50G", system="darwin")
+    monitor.started()
+    monitor.tick()
+    assert monitor.planned_restart("operator").ok
+    server.wired = 40 * GiB  # the new server loaded its model
+    for _ in range(13):
+        monitor.tick()
+    assert monitor.memory_guard.hold_restarts is None
+    assert monitor.memory_guard.wired.observe(monitor.clock(), None).state == "released"
+
+
+class Exits(FakeProcess):
+    def __init__(self):
+        super().__init__()
+        self.how = None
+
+    def exited(self):
+        return self.how
+
+
+def test_held_restarts_resume_once_the_wired_memory_comes_back(tmp_path):
+    server = Server(tmp_path)
+    server.wired = 40 * GiB
+    server.footprint = {"phys_footprint": 9 * GiB, "wired_size": 30 * GiB}
+    action = PlannedAction()
+    monitor = guarded_monitor(tmp_path, server, action=action, limit="50G", system="darwin")
+    monitor.process = process = Exits()
+    monitor.started()
+    monitor.tick()
+    assert monitor.planned_restart("operator").ok
+    for _ in range(13):
+        monitor.tick()
+    assert monitor.memory_guard.hold_restarts
+    process.how = "was killed by SIGKILL"  # the new server died: nothing to probe
+    for _ in range(3):
+        monitor.clock.now += 5
+        verdict = monitor.tick()
+        assert "restarts held: reboot required" in verdict.reason
+    assert action.reasons == []
+    server.wired = 8 * GiB  # it came back after all
+    monitor.clock.now += 5
+    monitor.tick()
+    assert action.reasons and monitor.memory_guard.hold_restarts is None

@@ -159,7 +159,7 @@ class MemoryGuard:
             self._held = own["wired_size"]
         elif beat is not None and beat.mlx_active is not None:
             self._held = beat.mlx_active
-        self._observe_wired(now)
+        self.watch_wired()
         self._update_status(decision, measured, beat, rss, footprint)
         self._act_soft(decision, pid)
         self._say_pending(decision)
@@ -296,6 +296,9 @@ class MemoryGuard:
         whether the machine's wired memory comes back (macOS)."""
         now = self.clock()
         self.wired.server_ended(now, wired_before=self._last_wired, held=self._held)
+        # Look at once: the old process is gone and the new one (just spawned,
+        # still importing) has wired nothing yet; a tick later it may have.
+        self.watch_wired()
         self.judge.reset()
         self._held = None
         self._soft = False
@@ -305,7 +308,10 @@ class MemoryGuard:
 
     # -- wired memory (macOS) -------------------------------------------------------
 
-    def _observe_wired(self, now: float) -> None:
+    def watch_wired(self) -> None:
+        """Read the machine's wired memory (macOS) and update the reboot
+        verdict; every tick, the server's exit ticks included."""
+        now = self.clock()
         wired = self.readers.wired()
         if wired is not None:
             self._last_wired = wired

@@ -278,6 +278,8 @@ class Monitor:
         """The process is gone for sure: nothing to probe or sample."""
         now = self.clock()
         gone = ProbeResult(UNREACHABLE, 0.0, reason=f"server {exited}")
+        if self.memory_guard is not None:
+            self.memory_guard.watch_wired()  # restarts held until the memory comes back
         verdict = self.judge.observe(Evidence(probe=gone, now=now, process_alive=False,
                                               exited=exited))
         if verdict.restart:
