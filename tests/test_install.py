@@ -303,6 +303,7 @@ def test_launchd_install_writes_plists_and_bootstraps(env):
             "url": f"http://127.0.0.1:{port}",
             "model": "default_model",
             "heartbeat_file": str(heartbeat),
+            "caffeinate": True,  # the watchdog keeps the Mac awake (unless --allow-sleep)
             "restart": {"type": "launchd", "label": f"io.github.mlx-watchdog.{name}.server"},
         }},
     }

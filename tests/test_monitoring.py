@@ -50,7 +50,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_promtool_checks_the_rules():
     result = _run(_promtool(), "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 11 rules found" in result.stdout
 
 
 def test_promtool_unit_tests_drive_every_alert():
@@ -118,7 +118,8 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
     beat = {"pid": 4242, "started": time.time(), "beats": 1, "time": time.time(),
             "phase": "serving", "in_flight": 2, "delivered": 10, "last_delivery": time.time(),
             "prompt_tokens": 100, "decode_tokens": 10, "requests": 1, "cancelled": 0,
-            "rank": None, "host": "mac1"}
+            "rank": None, "host": "mac1",
+            "memory": {"rss": 300 << 20, "mlx_active": 200 << 20, "prompt_cache_bytes": 0}}
     heartbeat.write_text(json.dumps(beat))
     metrics_port = free_port()
     with FakeServer() as server:
@@ -126,7 +127,7 @@ def test_every_metric_named_by_rules_and_dashboard_is_served_live(tmp_path):
         config.write_text(
             f'[instances.mac1]\nurl = "{server.url}"\ninterval = 0.2\n'
             f'heartbeat_file = "{heartbeat}"\nreport_dir = "{reports}"\n'
-            'restart = { type = "none" }\n'
+            'memory_limit = "16G"\nrestart = { type = "none" }\n'
         )
         watch = WatchdogProcess(
             tmp_path, ["watch", "--config", str(config), "--metrics-port", str(metrics_port)])
@@ -233,7 +234,7 @@ def test_every_rule_and_panel_selects_series_scraped_from_a_real_watchdog(tmp_pa
     sup = WatchdogProcess(tmp_path, [
         "supervise", "--name", "mac1", "--metrics-port", str(metrics_port),
         "--report-dir", str(reports), "--probe-interval", "1", "--probe-timeout", "5",
-        "--boot-grace", "60", "--",
+        "--boot-grace", "60", "--memory-limit", "64G", "--",
         str(python_for("0.32.2")), "-m", "mlx_lm", "server", "--model", str(tiny_llama),
         "--host", "127.0.0.1", "--port", str(port)], env=env)
     config = tmp_path / "prometheus.yml"

@@ -57,6 +57,11 @@ never fail):
     stop-once      GenerationContext.stop raises once, on the disconnect watcher
                    thread (the first client it sees hang up)
 
+MLX_TEST_LEAK_BYTES=N (the memory guard's tests): every completion request
+(not the watchdog's probes, which carry X-MLX-Watchdog-Probe) keeps N bytes,
+written so they are resident, for the life of the process: a server that
+leaks memory per request, as upstream #1118 reports.
+
 Traces, independent of any fault:
     MLX_TEST_TRACE_LOADS=1       one stderr line ``mlx-test-trace: model load``
                                  per ModelProvider._load (a real load from disk)
@@ -406,6 +411,19 @@ def _raise_in_stop_once(server):
     owner.stop = stop
 
 
+def _leak_per_request(server, size):
+    owner = server.APIHandler
+    original = owner.handle_completion
+    held = []  # never freed: the leak
+
+    def handle_completion(self, *args, **kwargs):
+        if not self.headers.get("X-MLX-Watchdog-Probe"):
+            held.append(b"\x01" * size)  # every page written: resident, not just reserved
+        return original(self, *args, **kwargs)
+
+    owner.handle_completion = handle_completion
+
+
 _SHIM_FAULTS = {
     "reaper-start": None,  # installed at once: threads are not in a module we wait for
     "plan": _raise_in_plan,
@@ -427,6 +445,9 @@ def _install():
         wanted.append(("mlx_lm.generate", lambda m: _count_decode_steps(m, path)))
     if os.environ.get("MLX_TEST_DEATH_STAMP") == "1":
         wanted.append(("mlx_lm.generate", _stamp_deaths))
+    if os.environ.get("MLX_TEST_LEAK_BYTES"):
+        size = int(os.environ["MLX_TEST_LEAK_BYTES"])
+        wanted.append(("mlx_lm.server", lambda m: _leak_per_request(m, size)))
     if _SPEC and _this_rank():
         action, kind, where, after = _parse(_SPEC)
         wanted.append((_TARGETS[where][0], lambda m: _inject(m, action, kind, where, after)))

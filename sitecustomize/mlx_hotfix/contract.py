@@ -152,9 +152,10 @@ STALLED_CAUSE = "stalled"  # requests in flight, nothing delivered (the heartbea
 EXITED = "exited"  # the process was seen to exit (a supervised child)
 PORT_TAKEN = "port-taken"  # another process holds the server's port
 PLANNED = "planned"  # nothing was wrong (`mlx-watchdog restart`): the server drains first
+MEMORY = "memory"  # the memory guard's planned restart (hard line or trend), drained too
 
 # The judge's causes: the server was alive but not serving (MLXRestartedWedged).
 WEDGED_CAUSES = (DEAD_THREAD, HEARTBEAT_STALE, STALLED_CAUSE, NO_PROGRESS, BAD_ANSWER,
                  BUSY_TOO_LONG)
 # Every value of mlx_watchdog_restarts_total's reason label (counters start at 0).
-RESTART_CAUSES = (NOT_RUNNING, UNREACHABLE, EXITED, PORT_TAKEN) + WEDGED_CAUSES + (PLANNED,)
+RESTART_CAUSES = (NOT_RUNNING, UNREACHABLE, EXITED, PORT_TAKEN) + WEDGED_CAUSES + (PLANNED, MEMORY)

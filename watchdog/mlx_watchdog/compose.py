@@ -11,12 +11,15 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from . import reports
+from . import defaults, reports
 from .config import InstanceConfig
 from .group import heartbeat_tracker
 from .heartbeat import SERVING, STALLED, read_heartbeat
 from .judge import Judge, JudgeConfig
+from .keep_awake import KeepAwake
 from .log import Events
+from .memory import Machine, format_bytes, parse_memory_limit, resolve_limit
+from .memory_guard import MemoryGuard, Readers, guard_config
 from .metrics import Metrics
 from .monitor import Monitor, ProcessEvidence, RestartAction
 from .policy import RestartPolicy
@@ -57,10 +60,12 @@ def build_monitor(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     expect_shim: Optional[bool] = None,  # default: when a heartbeat file is configured
+    machine: Optional[Callable[[], "Machine"]] = None,  # tests: instead of macos.machine
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
     # Every rank's heartbeat when the server is an mlx.launch group (group.py).
     heartbeat = heartbeat_tracker(heartbeat_file, owner=owner) if heartbeat_file else None
+    events = Events(instance.name)
     return Monitor(
         instance.name,
         probe or Probe(
@@ -80,7 +85,7 @@ def build_monitor(
         heartbeat_file=heartbeat_file,
         process=process,
         listener=listener,
-        events=Events(instance.name),
+        events=events,
         metrics=metrics,
         state=state,
         throughput=ThroughputTracker() if heartbeat_file else None,
@@ -91,7 +96,46 @@ def build_monitor(
         # A tick lasts at most a probe; the state file says so, for `status`.
         update_every_s=instance.interval + instance.timeout,
         expect_shim=expect_shim,
+        memory_guard=memory_guard(instance, events=events, metrics=metrics, owner=owner,
+                                  clock=clock, wall_clock=wall_clock, machine=machine),
+        keep_awake=KeepAwake(events) if instance.caffeinate else None,
     )
+
+
+def memory_guard(instance: InstanceConfig, *, events: Events, metrics: Optional[Metrics],
+                 owner: Optional[Callable[[], Optional[int]]], clock: Callable[[], float],
+                 wall_clock: Callable[[], float],
+                 machine: Optional[Callable[[], "Machine"]] = None,
+                 readers: Optional[Readers] = None) -> Optional[MemoryGuard]:
+    """The instance's memory guard, or None (no limit known: off). Says which,
+    once, with how the limit was worked out."""
+    spec = parse_memory_limit(instance.memory_limit)
+    if spec.kind == "off":
+        return None
+    if machine is None:
+        from .macos import machine
+    limit = resolve_limit(spec, machine())
+    if limit.bytes is None:
+        if spec.kind == "auto" and instance.memory_limit == defaults.MEMORY_LIMIT:
+            return None  # the default, off here: nothing to say on every start
+        events.info("memory", limit.reason)
+        return None
+    if instance.heartbeat_file is None and owner is None:
+        events.warning("memory", f"memory_limit {instance.memory_limit}: the memory guard "
+                                 "finds the server through the shim's heartbeat; set "
+                                 "heartbeat_file (install does), or it measures nothing")
+    config = guard_config(limit.bytes, horizon_s=instance.memory_horizon,
+                          idle_wait_s=instance.memory_idle_wait)
+    events.info("memory", f"memory guard on: {limit.reason}; soft line "
+                          f"{format_bytes(int(config.soft_line))}, hard line "
+                          f"{format_bytes(int(config.hard_line))}, horizon "
+                          f"{instance.memory_horizon / 3600:g} h")
+    return MemoryGuard(
+        instance.name, config, heartbeat_file=instance.heartbeat_file,
+        report_dir=reports.report_dir(instance.report_dir), events=events, metrics=metrics,
+        limit_reason=limit.reason, pid=owner, interval_s=instance.interval, readers=readers,
+        instance=reports.instance_field(instance.name, instance.url), clock=clock,
+        wall_clock=wall_clock)
 
 
 def _port(url: str) -> Optional[int]:

@@ -18,7 +18,11 @@ timeout, failures, boot_grace, health_check, heartbeat_file,
 heartbeat_timeout, max_busy, cpu_busy, max_restarts, restart_window,
 backoff_max (the longest wait between restarts of servers that never served,
 default 60 s), stop_grace (SIGTERM to
-SIGKILL, default 30 s), report_dir (where crash reports go), and at
+SIGKILL, default 30 s), report_dir (where crash reports go), the memory
+guard's memory_limit ("48G", "512M", "80%", "auto" or "off"; default auto:
+macOS only), memory_horizon and memory_idle_wait (seconds or "6h", "5m";
+defaults 6 h and 5 min), caffeinate (macOS: keep the Mac awake while the
+server runs; install launchd sets it unless --allow-sleep), and at
 most one of pid, pidfile, process_match (a regular expression) to find the
 process for CPU evidence. A fixed pid only suits a process that is never
 replaced; prefer pidfile or process_match. A signal restart's target doubles
@@ -123,6 +127,10 @@ class InstanceConfig:
     backoff_max: float = defaults.BACKOFF_MAX_S
     stop_grace: float = defaults.STOP_GRACE_S
     report_dir: Optional[str] = None
+    memory_limit: str = defaults.MEMORY_LIMIT  # as written: 48G, 512M, 80%, auto, off
+    memory_horizon: float = defaults.MEMORY_HORIZON_S
+    memory_idle_wait: float = defaults.MEMORY_IDLE_WAIT_S
+    caffeinate: bool = False  # macOS: caffeinate -i -s -w <server pid> (keep_awake.py)
 
 
 @dataclass(frozen=True)
@@ -251,6 +259,33 @@ def _argv(value: Any) -> Tuple[str, ...]:
     return tuple(value)
 
 
+def _memory_limit(value: Any) -> str:
+    from .memory import FORMS, MemoryLimitError, parse_memory_limit
+
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _Bad(f"{FORMS}, as text: \"48G\"")
+    try:
+        parse_memory_limit(value)
+    except MemoryLimitError as exc:
+        raise _Bad(f"{FORMS} ({exc})") from None
+    return str(value).strip()
+
+
+def _duration(value: Any) -> float:
+    from .memory import parse_duration
+
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise _Bad('seconds or a duration such as "90s", "30m", "6h"')
+    try:
+        seconds = parse_duration(value, "duration")
+    except ValueError:
+        raise _Bad('a positive number of seconds or a duration such as "90s", "30m", '
+                   '"6h"') from None
+    if seconds > MAX_NUMBER:
+        raise _Bad(f"a duration of at most {MAX_NUMBER:g} seconds")
+    return seconds
+
+
 def _env_var(value: Any) -> str:
     name = _string(value)
     if name not in os.environ:
@@ -293,6 +328,10 @@ _INSTANCE = {
     "backoff_max": (_seconds_or_zero, defaults.BACKOFF_MAX_S),
     "stop_grace": (_seconds_or_zero, defaults.STOP_GRACE_S),
     "report_dir": (_path, None),
+    "memory_limit": (_memory_limit, defaults.MEMORY_LIMIT),
+    "memory_horizon": (_duration, defaults.MEMORY_HORIZON_S),
+    "memory_idle_wait": (_duration, defaults.MEMORY_IDLE_WAIT_S),
+    "caffeinate": (_bool, False),
 }
 
 _ACTION_TIMEOUT = (_seconds, defaults.ACTION_TIMEOUT_S)

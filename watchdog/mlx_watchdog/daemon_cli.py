@@ -47,6 +47,49 @@ def _number_option(
     return click.option(flag, type=kind, default=default, show_default=True, help=text)
 
 
+def _check_memory_limit(ctx, param, value):
+    from .memory import MemoryLimitError, parse_memory_limit
+
+    try:
+        parse_memory_limit(value)
+    except MemoryLimitError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value.strip()
+
+
+def _check_duration(ctx, param, value):
+    from .memory import parse_duration
+
+    try:
+        return parse_duration(value, param.opts[0])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def memory_options(f: Callable) -> Callable:
+    """--memory-limit, --memory-horizon, --memory-idle-wait (supervise; install
+    passes them on)."""
+    f = click.option(
+        "--memory-idle-wait", default=f"{defaults.MEMORY_IDLE_WAIT_S / 60:g}m",
+        show_default=True, callback=_check_duration,
+        help="A memory restart waits up to this long for a moment with no request in "
+        "flight, then restarts at once (always drained). Seconds, or 90s, 5m, 1h.")(f)
+    f = click.option(
+        "--memory-horizon", default=f"{defaults.MEMORY_HORIZON_S / 3600:g}h",
+        show_default=True, callback=_check_duration,
+        help="Restart (planned, drained) when the trend of the last hour's memory says "
+        "the hard line (95% of --memory-limit) is crossed within this long.")(f)
+    f = click.option(
+        "--memory-limit", default=defaults.MEMORY_LIMIT, show_default=True,
+        callback=_check_memory_limit,
+        help="The memory guard's limit for the server: bytes with a unit (48G, 512M), a "
+        "share of RAM (80%), auto (macOS: the smaller of RAM minus 8 GiB and the GPU "
+        "wired cap; off elsewhere) or off. At 85% the server is asked to trim and its "
+        "/health answers 503 memory; at 95% (or when the trend gets there within "
+        "--memory-horizon) it gets a planned, drained restart.")(f)
+    return f
+
+
 def _daemon_options(f: Callable) -> Callable:
     f = _state_file_option(f)
     f = click.option(
@@ -187,6 +230,7 @@ def _daemon_options(f: Callable) -> Callable:
     help="mlx.launch groups: the hotfix shim folder on the remote hosts, passed to their "
     "ranks with --env PYTHONPATH=. [default: the same path as here]",
 )
+@memory_options
 @_model_option
 @_api_key_option
 @_health_option
@@ -213,6 +257,9 @@ def supervise_command(
     listener_check: bool,
     hold_socket: bool,
     remote_shim_path: Optional[str],
+    memory_limit: str,
+    memory_horizon: float,
+    memory_idle_wait: float,
     model: str,
     api_key: Optional[str],
     health: bool,
@@ -279,6 +326,9 @@ def supervise_command(
             backoff_max=backoff_max,
             stop_grace=stop_grace,
             report_dir=report_dir,
+            memory_limit=memory_limit,
+            memory_horizon=memory_horizon,
+            memory_idle_wait=memory_idle_wait,
         )
         listen_socket, socket_note = _held_socket(command, hold_socket, no_shim, group_command)
         supervisor = Supervisor(

@@ -52,6 +52,15 @@ BACKOFF_MAX_S = 60.0  # restarts are never paused longer than this
 MAX_RESTARTS = 5  # this many per window is shown as crash-looping (restarts go on)
 RESTART_WINDOW_S = 300.0
 
+# The memory guard (memory.py, memory_judge.py): off unless a limit is known.
+# "auto": on macOS the smaller of RAM minus a reserve and the GPU wired cap;
+# elsewhere off. A planned restart when the hard line (95% of the limit) is
+# crossed, or the trend says it will be within the horizon, taken at the
+# first moment with nothing in flight within the idle wait, else at once.
+MEMORY_LIMIT = "auto"
+MEMORY_HORIZON_S = 6 * 3600.0
+MEMORY_IDLE_WAIT_S = 300.0
+
 # Daemon
 METRICS_HOST = "127.0.0.1"
 LOG_FORMAT = "text"

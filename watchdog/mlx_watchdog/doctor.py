@@ -304,6 +304,65 @@ def service_group(ctx: Context) -> Group:
     return group
 
 
+def count_servers() -> int:
+    """How many mlx_lm servers run on this machine now (psutil)."""
+    import psutil
+
+    count = 0
+    for process in psutil.process_iter(["cmdline"]):
+        words = process.info.get("cmdline") or []
+        line = " ".join(words)
+        if "mlx_lm.server" in line or "mlx_lm server" in line or (
+                "mlx_lm" in words and "server" in words):
+            count += 1
+    return count
+
+
+def mac_memory_checks(group: Group, *, runner=None, platform: Optional[str] = None,
+                      servers: Callable[[], int] = count_servers) -> None:
+    """macOS: pmset settings that will sleep a server, and the sum of the
+    servers' wired limits against RAM (six servers each wiring 75% of RAM
+    hung three of them: mlx-lm PR #1252)."""
+    from . import macos
+    from .memory import format_bytes
+
+    runner = runner or macos.run
+    problems = macos.sleep_problems(macos.pmset_settings(runner=runner, platform=platform))
+    for problem in problems:
+        # "<what>; `<fix>`" or "<what>, or run `<fix>`": the fix is the last command
+        what, _, fix = problem.rpartition("; ")
+        group.warn(what or problem, fix or None)
+    if not problems:
+        group.ok("pmset: the Mac does not sleep while idle (or sleep is held off for good)")
+    machine = macos.machine(runner=runner, platform=platform)
+    per_server = machine.gpu_wired_limit_bytes or machine.recommended_working_set
+    if not machine.ram_bytes or not per_server:
+        group.ok("wired memory: the GPU wired cap is unknown here (not checked)")
+        return
+    running = servers()
+    total = (running + 1) * per_server  # the running ones, and the one about to start
+    line = (f"wired memory: {running} mlx_lm server(s) running, and this one: each may wire "
+            f"up to {format_bytes(per_server)}, {format_bytes(total)} in all, against "
+            f"{format_bytes(machine.ram_bytes)} of RAM")
+    if running and total > machine.ram_bytes:
+        group.warn(line + ": servers that wire more than the RAM between them hang (mlx-lm "
+                   "PR #1252)",
+                   "run fewer servers on this Mac, or give each a --memory-limit that fits "
+                   "(their sum under the RAM), or lower the cap: sudo sysctl "
+                   "iogpu.wired_limit_mb=N")
+    else:
+        group.ok(line)
+
+
+def memory_group(ctx: Context) -> Optional[Group]:
+    """macOS only: sleep and wired memory."""
+    if sys.platform != "darwin":
+        return None
+    group = Group("Sleep and memory (macOS)")
+    mac_memory_checks(group)
+    return group
+
+
 def hosts_group(ctx: Context) -> Optional[Group]:
     """With --hostfile: every host of the group (doctor_hosts.py)."""
     if ctx.hostfile is None:
@@ -318,7 +377,7 @@ def hosts_group(ctx: Context) -> Optional[Group]:
 #: nothing to check here (more may be appended).
 GROUPS: List[Callable[[Context], Optional[Group]]] = [
     python_group, shim_group, model_group, port_group, folders_group, service_group,
-    hosts_group,
+    memory_group, hosts_group,
 ]
 
 

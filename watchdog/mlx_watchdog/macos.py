@@ -320,8 +320,8 @@ def sleep_problems(sections: Dict[str, Dict[str, str]]) -> List[str]:
         problems.append(
             f"pmset: sleep {sleep}: the Mac sleeps after {sleep} idle minute(s){held}, and a "
             "server asleep mid-generation is a hang to every client; `mlx-watchdog install "
-            "launchd` runs the server under `caffeinate -i -s` (unless --allow-sleep), or run "
-            "`sudo pmset -a sleep 0`")
+            "launchd` keeps it awake while the server runs (caffeinate -i -s -w, unless "
+            "--allow-sleep), or run `sudo pmset -a sleep 0`")
     if settings.get("lowpowermode") == "1":
         problems.append("pmset: lowpowermode 1: Low Power Mode slows generation; "
                         "`sudo pmset -a lowpowermode 0`")

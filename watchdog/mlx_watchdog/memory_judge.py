@@ -39,13 +39,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, List, Optional, Sequence, Tuple
 
+from . import contract
 from .memory import GiB, format_bytes
 
 OK = "ok"
 MEMORY_SOFT = "memory_soft"
 MEMORY_HARD = "memory_hard"
 UNKNOWN = "unknown"  # no measure this tick
-CAUSE = "memory"  # the restart cause (labels metrics, names the crash report kind)
+CAUSE = contract.MEMORY  # the restart cause (labels metrics, names the crash report kind)
 
 SOFT_SHARE = 0.85
 HARD_SHARE = 0.95

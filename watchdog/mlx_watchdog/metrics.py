@@ -118,6 +118,39 @@ class Metrics:
             registry=self.registry,
         )
 
+        # The memory guard (memory_guard.py), when the instance has a limit.
+        self.memory_bytes = Gauge(
+            "mlx_watchdog_memory_bytes",
+            "The server's memory by kind: measure (what the guard judges: phys_footprint, "
+            "else the RSS of the process tree, never less than mlx_active), phys_footprint, "
+            "tree_rss, and the heartbeat's rss, mlx_active, mlx_cache, mlx_peak, "
+            "prompt_cache_bytes.",
+            ["instance", "kind"],
+            registry=self.registry,
+        )
+        self._memory_kinds: "dict[str, set]" = {}
+        self.memory_limit_bytes = Gauge(
+            "mlx_watchdog_memory_limit_bytes",
+            "The memory guard's limit (memory_limit / --memory-limit); the soft line is 85% "
+            "of it, the hard line 95%.",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.memory_soft = Gauge(
+            "mlx_watchdog_memory_soft",
+            "1 while the measure is over the soft line (85% of the limit): the server was "
+            "asked to trim and its /health answers 503 memory.",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.reboot_required_gauge = Gauge(
+            "mlx_watchdog_reboot_required",
+            "1 when the machine's wired memory did not come back within a minute of a "
+            "server's end (macOS): a reboot is required; restarts are held meanwhile.",
+            ["instance"],
+            registry=self.registry,
+        )
+
     def add_instance(self, instance: str, causes: "tuple[str, ...]" = ()) -> None:
         """Create an instance's counters at zero, so increase() sees their first step."""
         for counter in self.server_counters.values():
@@ -162,6 +195,26 @@ class Metrics:
     def attention(self, instance: str, cause: Optional[str]) -> None:
         """The instance needs attention for cause (None: it does not any more)."""
         self.needs_attention.labels(instance).set(1 if cause else 0)
+
+    def memory_limit(self, instance: str, limit_bytes: int) -> None:
+        self.memory_limit_bytes.labels(instance).set(limit_bytes)
+        self.memory_soft.labels(instance).set(0)
+        self.reboot_required_gauge.labels(instance).set(0)
+
+    def memory(self, instance: str, parts: "dict[str, int]", *, soft: bool) -> None:
+        # A kind not measured this time (no heartbeat yet, a new server) is
+        # dropped, not left at its last value.
+        kinds = self._memory_kinds.setdefault(instance, set())
+        for kind in kinds - set(parts):
+            self.memory_bytes.remove(instance, kind)
+        kinds.clear()
+        for kind, value in parts.items():
+            self.memory_bytes.labels(instance, kind).set(value)
+            kinds.add(kind)
+        self.memory_soft.labels(instance).set(1 if soft else 0)
+
+    def reboot_required(self, instance: str, required: bool) -> None:
+        self.reboot_required_gauge.labels(instance).set(1 if required else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ from .heartbeat import SERVING, STALLED, HeartbeatReading, HeartbeatTracker, rea
 from . import contract
 from .judge import CRASH_LOOPING, DOWN, HEALTHY, STARTING, Evidence, Judge, Verdict
 from .log import Events
+from .memory_judge import CAUSE as MEMORY_CAUSE, MemoryDecision
 from .metrics import Metrics
 from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
@@ -29,12 +30,13 @@ from .redact import redact_url
 from .state import StateStore
 from .throughput import ReportWatcher, ThroughputTracker
 
-# A restart nothing was wrong for (`mlx-watchdog restart`; later the memory
-# guard): the server drains first; counted apart from the judge's causes.
+# A restart nothing was wrong for (`mlx-watchdog restart`; the memory guard's
+# has its own cause, MEMORY_CAUSE): the server drains first; counted apart
+# from the judge's causes.
 PLANNED = contract.PLANNED
 
-# Restart causes whose counters exist (at zero) from the start: the judge's
-# and PLANNED, the contract's vocabulary.
+# Restart causes whose counters exist (at zero) from the start: the judge's,
+# PLANNED and MEMORY_CAUSE, the contract's vocabulary.
 RESTART_CAUSES = contract.RESTART_CAUSES
 
 PlannedDone = Callable[[ActionResult], None]
@@ -82,6 +84,8 @@ class Monitor:
         update_every_s: Optional[float] = None,  # the longest normal gap between two ticks
         expect_shim: Optional[bool] = None,  # default: when there is a heartbeat to read
         attention: Optional[AttentionTracker] = None,
+        memory_guard=None,  # memory_guard.MemoryGuard: the instance has a memory limit
+        keep_awake=None,  # keep_awake.KeepAwake: caffeinate for the server's pid (macOS)
     ):
         self.name = name
         self.probe = probe
@@ -130,6 +134,8 @@ class Monitor:
         self._restart_death: Optional[str] = None  # the class the next restart follows
         self._needs_attention: Optional[Dict[str, Any]] = None
         self._recorded_death: Optional[Tuple[Any, Any]] = None  # (pid, time) last noted
+        self.memory_guard = memory_guard
+        self.keep_awake = keep_awake
         if metrics is not None:
             metrics.add_instance(name, RESTART_CAUSES)
         self._boot_wall = wall_clock()  # when the current server was (re)started
@@ -220,6 +226,10 @@ class Monitor:
         self._observe_server(record)
         if not hasattr(self.process, "death"):  # a supervisor sees its child's exits itself
             self._note_recorded_death(record)
+        memory = self.memory_guard.tick(record) if self.memory_guard is not None else None
+        if self.keep_awake is not None:
+            pid = (record or {}).get("pid")
+            self.keep_awake.observe(pid if isinstance(pid, int) and pid > 0 else None)
         now = self.clock()
         if self._loaded(beat) and self.policy.in_grace(now):
             self.policy.end_grace(now)
@@ -248,8 +258,27 @@ class Monitor:
             self.policy.served(now)  # it served between probes: no crash loop
         if verdict.restart:
             verdict = self.restart(verdict)
+        elif memory is not None and memory.restart:
+            return self._memory_restart(memory, verdict, probe)
         self.report(verdict, probe)
         return verdict
+
+    def _memory_restart(self, decision: MemoryDecision, verdict: Verdict,
+                        probe: ProbeResult) -> Verdict:
+        """The memory guard wants its planned restart now: the `memory`
+        report first (the samples), then the drain and a new server."""
+        self.report(verdict, probe)
+        if self.action is None or self.stopping:
+            return self.verdict or verdict
+        if self.memory_guard.hold_restarts:
+            return self.verdict or verdict  # reboot required: a new server has no room
+        reason = f"memory: {decision.reason}"
+        self.memory_guard.report(decision, reason)
+        result = self.planned_restart(reason, cause=MEMORY_CAUSE)
+        self.memory_guard.restarted(result.ok)
+        if self.state is not None:
+            self.state.update(self.name, self.record())
+        return self.verdict or verdict
 
     def _exited(self) -> Optional[str]:
         exited = getattr(self.process, "exited", None)
@@ -260,6 +289,8 @@ class Monitor:
         self._note_death()
         now = self.clock()
         gone = ProbeResult(UNREACHABLE, 0.0, reason=f"server {exited}")
+        if self.memory_guard is not None:
+            self.memory_guard.watch_wired()  # restarts held until the memory comes back
         verdict = self.judge.observe(Evidence(probe=gone, now=now, process_alive=False,
                                               exited=exited))
         if verdict.restart:
@@ -299,6 +330,12 @@ class Monitor:
             return replace(verdict, restart=False, reason=f"{verdict.reason}; monitor only")
         if self.stopping:  # a normal stop: not a failure
             return replace(verdict, restart=False, reason=f"{verdict.reason}; stopping")
+        held = self.memory_guard.hold_restarts if self.memory_guard is not None else None
+        if held:
+            # A new server would meet a machine whose memory is gone: no
+            # crash loop into it. Restarts resume when the memory comes back.
+            return replace(verdict, restart=False, reason=f"{verdict.reason}; restarts held: "
+                                                          f"{held}")
         now = self.clock()
         decision = self.policy.check(now)
         if decision.crash_looping:
@@ -311,7 +348,7 @@ class Monitor:
         self._restart_death = None
         if death is None:  # not after a death (a hang): no run of unfixable deaths
             self._note_attention(self.attention.observe(None))
-            death = "unknown" if verdict.cause == judge_module.DEAD_THREAD else None
+            death = "unknown" if verdict.cause == contract.DEAD_THREAD else None
         self.events.warning(
             "restart",
             f"restarting: {verdict.reason}" + (f" ({decision.reason})" if decision.reason else ""),
@@ -397,6 +434,8 @@ class Monitor:
             "interval_s": self.update_every_s,
             "last_death": self._last_death,
             "needs_attention": self._needs_attention,
+            "memory": (self.memory_guard.status.as_record()
+                       if self.memory_guard is not None else None),
         }
 
     # -- death classes (signatures.py) and needs-attention (attention.py) ------
@@ -562,6 +601,8 @@ class Monitor:
         self._warning = None  # the new server says its own
         self._shim_seen = False  # the new server must beat again
         self.judge.reset()
+        if self.memory_guard is not None:
+            self.memory_guard.server_ended()
         if self.heartbeat is not None:
             self.heartbeat.reset()
         if self.process is not None:

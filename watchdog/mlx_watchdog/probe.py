@@ -138,7 +138,9 @@ class Probe:
         target = _Target.parse(self.url)
         if self.check_health:
             status, answers["health"] = self._send(target, deadline, "GET", HEALTH_PATH)
-            if status == 503:
+            # 503 {"status": "memory"}: the memory guard's soft line sends new
+            # work elsewhere; the server serves, so the completion decides.
+            if status == 503 and not _says_memory(answers["health"]):
                 return dict(
                     status=UNHEALTHY,
                     reason="/health: 503, generation thread not running",
@@ -242,6 +244,12 @@ def _read_completion(status: int, body: bytes) -> dict:
         shedding=shedding,
         last_delivery_age_s=float(age) if _is_age(age) else None,
     )
+
+
+def _says_memory(body: Optional[bytes]) -> bool:
+    """A /health body that says the memory soft line (the shim's 503 memory)."""
+    data = _json(body or b"")
+    return isinstance(data, dict) and data.get("status") == "memory"
 
 
 def _is_age(value: Any) -> bool:

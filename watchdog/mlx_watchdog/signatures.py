@@ -125,6 +125,12 @@ def cause_of_exit(returncode: Optional[int], death: Optional[Mapping[str, Any]] 
         return module.Match(module.UNKNOWN_ENTRY, {"exit_code": returncode})
 
 
+def jetsam_match(detail: dict) -> Any:
+    """The class of a death macOS's jetsam report names (macos.find_jetsam)."""
+    module = table()
+    return module.Match(module.entry("jetsam"), detail)
+
+
 def death_record(match: Any, **extra: Any) -> dict:
     """A death's class for the state file and status: cause, title, remedy,
     where it comes from, what is known."""

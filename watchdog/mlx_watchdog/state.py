@@ -290,6 +290,11 @@ def format_status(
     if not instances:
         return "no instances in the state file"
     header = ("INSTANCE", "STATE", "LAST OK PROBE", "RESTARTS", "DECODE", "NEWEST REPORT")
+    # MEMORY (against the limit) only when some instance has a memory guard.
+    guarded = any(isinstance(r, dict) and isinstance(r.get("memory"), dict)
+                  for r in instances.values())
+    if guarded:
+        header = header[:5] + ("MEMORY",) + header[5:]
     rows = []
     details = []
     # The file may be damaged, old or hand-edited: a record of the wrong shape
@@ -298,15 +303,20 @@ def format_status(
         record = instances[name]
         shown = printable(name)
         if not isinstance(record, dict):
-            rows.append((shown, "?", ("malformed record (not a table)", "", "", "", "")))
+            rows.append((shown, "?", ("malformed record (not a table)",) + ("",) * (
+                len(header) - 2)))
             continue
         try:
             running = _running(record, pid_alive)
             state = printable(shown_state(record, now, running))
-            rows.append((shown, state, tuple(printable(c) for c in _row(record, state, now))))
+            row = _row(record, state, now)
+            if guarded:
+                row = row[:4] + (memory_cell(record.get("memory")),) + row[4:]
+            rows.append((shown, state, tuple(printable(c) for c in row)))
             lines = _details(shown, record, state, now, running)
         except Exception as exc:  # noqa: BLE001 - a malformed record: say so, go on
-            rows.append((shown, "?", (f"malformed record ({type(exc).__name__})", "", "", "", "")))
+            rows.append((shown, "?", (f"malformed record ({type(exc).__name__})",) + ("",) * (
+                len(header) - 2)))
             continue
         if lines:
             details.append(printable_lines(lines))
@@ -385,6 +395,31 @@ def _row(record: Dict[str, Any], state: str, now: float) -> "tuple[str, ...]":
     return (f"{state} {since}", good, restarts, decode, newest)
 
 
+def memory_cell(memory: Any) -> str:
+    """Memory against the limit: "12.3G/20.0G 61%", with the guard's state
+    when it is not ok, and REBOOT REQUIRED; "-" without a guard or a measure."""
+    if not isinstance(memory, dict):
+        return "-"
+    used, limit = memory.get("bytes"), memory.get("limit_bytes")
+    text = "-"
+    if _is_number(used) and _is_number(limit) and limit > 0:
+        text = f"{_size(used)}/{_size(limit)} {used / limit:.0%}"
+    elif _is_number(limit):
+        text = f"?/{_size(limit)}"
+    if memory.get("state") in ("memory_soft", "memory_hard"):
+        text += f" {memory['state']}"
+    if memory.get("reboot_required"):
+        text += " REBOOT REQUIRED"
+    return text
+
+
+def _size(value: float) -> str:
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(value) >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{int(value)}B"
+
+
 def _details(
     name: str, record: Dict[str, Any], state: str, now: float, running: bool
 ) -> "list[str]":
@@ -411,6 +446,9 @@ def _details(
     if isinstance(attention, dict):  # a restart cannot fix it: a person must
         said = attention.get("message") or f"needs attention: {attention.get('cause')}"
         lines.insert(0, f"  {said} (since {_ago(now, attention.get('since'))})")
+    memory = record.get("memory")
+    if isinstance(memory, dict) and isinstance(memory.get("reboot_required"), str):
+        lines.insert(0, f"  REBOOT REQUIRED: {' '.join(memory['reboot_required'].split())}")
     if (state in _CALM or state == STOPPED) and not lines:
         return []
     since = _ago(now, record.get("since"), suffix="")
@@ -449,6 +487,9 @@ def _details(
     report = record.get("newest_report")
     if isinstance(report, dict) and report.get("file"):
         head.append(f"  newest report: {report['file']}")
+    if isinstance(memory, dict) and memory.get("reason"):
+        head.append(f"  memory: {memory['reason']} (memory restarts: "
+                    f"{memory.get('restarts', 0)})")
     return head + lines
 
 

@@ -61,7 +61,7 @@ from .probe import ProbeResult
 from .process import (CpuSampler, ProcessNotFound, ProcessSample, drain_wait_s, stop_draining,
                       terminate_with_grace)
 from .redact import printable
-from .signatures import cause_of_exit, death_record
+from .signatures import cause_of_exit, death_record, jetsam_match
 from .state import StateStore
 from .urls import url_from_command  # noqa: F401 - the CLI's and tests' name for it
 from .wakeup import Wakeup
@@ -352,6 +352,9 @@ class Supervisor:
         state: Optional[StateStore] = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        # A SIGKILL death without a report of its own: macOS's jetsam report
+        # of that pid (macos.find_jetsam(pid, since=...)), or None (not macOS).
+        jetsam: Optional[Callable[..., object]] = None,
     ):
         if not command:
             raise ValueError("no command to supervise")
@@ -378,6 +381,12 @@ class Supervisor:
             self.env[defaults.REPORT_DIR_ENV] = str(self.report_dir)
         self.child: Optional[Child] = None
         self.last_death: Optional[Dict[str, Any]] = None  # the class of the last exit
+        self._child_started: Optional[float] = None  # wall clock, for the jetsam lookup
+        if jetsam is None:
+            from .macos import find_jetsam, is_macos
+
+            jetsam = find_jetsam if is_macos() else None
+        self._jetsam = jetsam
         self._spawn = spawn
         self._wall_clock = wall_clock
         self._clock = clock
@@ -446,11 +455,18 @@ class Supervisor:
             log = self.events.info if self._stopping else self.events.warning
             log("exited", f"server {self._exit}", returncode=code, death_cause=match.cls)
             if match.cls == "killed" and not self._stopping:  # it left no report: one here
-                path = reports.write_killed_report(self.last_death, directory=self.report_dir,
-                                                   extra=self._report_extra())
-                if path is not None:
-                    self.last_report = str(path)
-                    self.events.info("report", f"wrote {path}", kind="killed")
+                # macOS: jetsam's own file names it (cause jetsam); else what is known.
+                jetsam = death is None and self._note_jetsam(self.child.pid)
+                if jetsam:
+                    self.last_death = death_record(jetsam_match(jetsam), pid=self.child.pid,
+                                                   exit_code=code, time=self._wall_clock())
+                else:
+                    path = reports.write_killed_report(self.last_death,
+                                                       directory=self.report_dir,
+                                                       extra=self._report_extra())
+                    if path is not None:
+                        self.last_report = str(path)
+                        self.events.info("report", f"wrote {path}", kind="killed")
             self.child.end_group(min(self.stop_grace_s, 2.0))  # no orphaned grandchildren
             self.child = None
         return self._exit
@@ -493,6 +509,39 @@ class Supervisor:
             return ActionResult(True, f"{stopped}; {result.detail}")
         return result
 
+    def _note_jetsam(self, pid: int) -> Optional[Dict[str, Any]]:
+        """A child SIGKILLed by no one we know of, with no report of its own:
+        on macOS, look for the jetsam report that names it (its pid, the
+        largest process, the reason), and write a report with cause jetsam.
+        What jetsam said (None: not found, or not macOS). Never raises."""
+        if self._jetsam is None:
+            return None
+        try:
+            kill = self._jetsam(pid, since=(self._child_started or 0) - 60)
+        except Exception:  # noqa: BLE001 - evidence must never stop the respawn
+            return None
+        if kill is None:
+            return None
+        what = kill.describe()
+        self.events.warning("jetsam", what, pid=pid)
+        self._exit = f"{self._exit}: {what}"
+        path = reports.write_report(self.report_dir, {
+            "schema": reports.SCHEMA, "kind": "killed", "cause": "jetsam",
+            "time": time.time(), "pid": pid, "source": "watchdog",
+            "reason": f"macOS {what}", "exit_code": -signal.SIGKILL, "in_flight": None,
+            "jetsam": {"pid": kill.pid, "name": kill.name, "reason": kill.reason,
+                       "largest_process": kill.largest_process,
+                       "resident_bytes": kill.resident_bytes, "timestamp": kill.timestamp,
+                       "file": kill.path},
+            "instance": reports.instance_field(self.monitor.name, self.monitor.url,
+                                               self.command),
+        })
+        if path is not None:
+            self.last_report = str(path)
+            self.events.info("report", f"wrote {path}", kind="killed", cause="jetsam")
+        return {"pid": kill.pid, "name": kill.name, "reason": kill.reason,
+                "largest_process": kill.largest_process}
+
     def _capture_stacks(self, reason: str) -> None:
         """SIGUSR1 to the child's processes (those with the shim's stacks
         file), a short wait, a `wedged` report. Never raises."""
@@ -528,6 +577,7 @@ class Supervisor:
                 self.child = self._spawn(argv, self.env, pass_fds=(fd,))
             else:
                 self.child = self._spawn(self.command, self.env)
+            self._child_started = time.time()
         except OSError as exc:
             return ActionResult(False, f"cannot run {self.command[0]!r}: {exc.strerror or exc}")
         return ActionResult(True, f"started pid {self.child.pid}")

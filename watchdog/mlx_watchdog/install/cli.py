@@ -76,6 +76,22 @@ def _watch_option(flag: str, key: str, default_name: str, text: str, *,
                         help=f"{text} [default: {default:g}]")
 
 
+def _memory_setting(value: Optional[str], what: str) -> object:
+    """A memory flag's value as the watch config's key takes it (checked here,
+    so a mistake is named before anything is written)."""
+    from ..memory import MemoryLimitError, parse_duration, parse_memory_limit
+
+    if value is None:
+        return None
+    try:
+        if what == "limit":
+            parse_memory_limit(value)
+            return value.strip()
+        return parse_duration(value, what)
+    except (MemoryLimitError, ValueError) as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def _flag_error(exc: FlagError) -> click.BadParameter:
     return click.BadParameter(exc.message, param_hint=[exc.flag])
 
@@ -137,6 +153,22 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
                "Seconds a server may look busy without answering (0: no limit).", zero=True)
 @_watch_option("--stop-grace", "stop_grace", "STOP_GRACE_S",
                "Seconds between SIGTERM and SIGKILL for the watchdog's restarts.", zero=True)
+@click.option("--memory-limit", "memory_limit", default=None,
+              callback=lambda ctx, param, value: _memory_setting(value, "limit"),
+              help="The memory guard's limit: 48G, 512M, 80% of RAM, auto or off "
+                   "[default: auto: macOS only]. See `mlx-watchdog supervise --help`.")
+@click.option("--memory-horizon", "memory_horizon", default=None,
+              callback=lambda ctx, param, value: _memory_setting(value, "--memory-horizon"),
+              help="A planned restart when the memory trend reaches the hard line within "
+                   "this long (seconds, or 30m, 6h) [default: 6h].")
+@click.option("--memory-idle-wait", "memory_idle_wait", default=None,
+              callback=lambda ctx, param, value: _memory_setting(value, "--memory-idle-wait"),
+              help="A memory restart waits up to this long for no request in flight "
+                   "(seconds, or 90s, 5m) [default: 5m].")
+@click.option("--allow-sleep", "allow_sleep", is_flag=True,
+              help="launchd: let the Mac sleep while the server runs. By default the "
+                   "watchdog runs `caffeinate -i -s -w <server pid>` (a Mac asleep "
+                   "mid-generation is a hang to every client).")
 @click.option("--socket/--no-socket", "listen_socket", default=True, show_default=True,
               help="The service manager holds the server's listening socket (a systemd .socket "
                    "unit, a launchd Sockets entry) and the server inherits it: connections "
@@ -154,6 +186,12 @@ def install_command(manager: str, model: str, port: int, host: str, name: Option
                     server_args: Tuple[str, ...], **watch_settings: object) -> None:
     from . import execute, plan
 
+    allow_sleep = bool(watch_settings.pop("allow_sleep", False))
+    if allow_sleep and manager != "launchd":
+        raise click.BadParameter("is for launchd only (systemd machines do not sleep by "
+                                 "default)", param_hint=["--allow-sleep"])
+    if manager == "launchd" and not allow_sleep:
+        watch_settings["caffeinate"] = True
     try:
         planned = plan.prepare(
             server_env=server_env, metrics_port=metrics_port, metrics_host=metrics_host,
