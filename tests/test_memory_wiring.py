@@ -224,7 +224,7 @@ def test_the_hard_line_takes_a_drained_restart_with_a_memory_report(tmp_path, lo
     assert "nothing in flight" in action.planned[0]
     assert action.reasons == []  # not a wedge restart: no stacks, no backoff
     scrape = _scrape(metrics)
-    assert 'mlx_watchdog_restarts_total{instance="gemma",reason="memory"} 1.0' in scrape
+    assert 'mlx_watchdog_restarts_total{cause="none",instance="gemma",reason="memory"} 1.0' in scrape
     monitor.state.flush()
     record = read_state(monitor.state.path)["instances"]["gemma"]
     assert record["last_restart"]["cause"] == "memory"

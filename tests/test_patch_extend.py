@@ -40,7 +40,9 @@ def test_with_the_patch_off_the_shim_turns_the_crash_into_exit_70(servers, tiny_
     a, b = send_extend_crash_pair(server, timeout=60)
     assert server.wait_exit(60) == 70, server.log()
     assert a.join(70) and b.join(70)
-    assert a.status == 200, a
+    # a finishes before the death when it gets there first (a quiet machine);
+    # under load both are in the batch that dies: answered 503 too, never hung.
+    assert a.status in (200, 503), a
     assert b.status == 503 and "TypeError" in b.json()["error"]["message"], b
     assert ("mlx-hotfix: generation thread died: extend: TypeError: 'NoneType' object is "
             "not iterable; exiting 70") in server.hotfix_lines()

@@ -517,8 +517,11 @@ def test_the_harness_faults_raise_the_real_texts():
                 "broadcast": "broadcast", "extract": "extract", "gputimeout": "gpu-timeout",
                 "penaltybox": "gpu-penalty-box", "invalidresource": "gpu-invalid-resource",
                 "metaloom": "metal-oom", "ringlost": "ring-peer-lost"}
-    assert set(faults._MESSAGES) == set(expected)
+    # "quoted" raises the text a test gives it (MLX_TEST_FAULT_MESSAGE): no class of its own.
+    assert set(faults._MESSAGES) - {"quoted"} == set(expected)
     for kind, (error, message) in faults._MESSAGES.items():
+        if kind == "quoted":
+            continue
         assert signatures.classify(error.__name__, message).cls == expected[kind], kind
 
 

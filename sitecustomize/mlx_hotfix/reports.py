@@ -143,9 +143,16 @@ def _heartbeat():
     try:
         from . import config
 
-        path = config.current().heartbeat_file
-        if path:
-            counters["file"] = json.loads(read_regular(path, 8192))
+        settings = config.current()
+        if settings.heartbeat_file:
+            record = json.loads(read_regular(settings.heartbeat_file, 8192))
+            death = record.get("death") if isinstance(record, dict) else None
+            # The death's summary is the exception's text: redacted as the
+            # report's own message is (_exception).
+            if (isinstance(death, dict) and isinstance(death.get("summary"), str)
+                    and not settings.report_messages):
+                death["summary"] = redact_message(death["summary"])
+            counters["file"] = record
     except Exception:  # noqa: BLE001
         pass
     return counters
