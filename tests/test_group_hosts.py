@@ -39,7 +39,9 @@ from harness.procs import chat
 from harness.watchdog_run import WatchdogProcess, wait_serving
 from tests.test_group_real import FAST, LOAD_S
 
-pytestmark = pytest.mark.server
+# One worker runs them all (scripts/test runs the suite in parallel): they share
+# the second host, and its partition cuts 127.0.0.2 and 127.0.0.3 for everyone.
+pytestmark = [pytest.mark.server, pytest.mark.xdist_group("second_host")]
 
 DEATH = "raise:typeerror:decode"
 HANG = "hang:decode"
