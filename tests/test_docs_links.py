@@ -1,6 +1,7 @@
 """Every relative link in the docs a newcomer walks (README.md, ARCHITECTURE.md,
 docs/*.md) points at a file that exists, and a link to a heading (`#anchor`,
-in the same file or another Markdown file) at a heading that exists.
+in the same file or another Markdown file) at a heading that exists. The
+README opens with the two commands for a fresh clone and maps the docs.
 
 Anchors follow GitHub's rule: lower case, punctuation other than `-` and `_`
 dropped, each space a `-`."""
@@ -49,6 +50,16 @@ def test_every_relative_link_points_at_something_that_exists():
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(f"{name}: no heading #{anchor} in {path.relative_to(REPO)}")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_opens_with_the_two_commands_and_stays_short():
+    text = (REPO / "README.md").read_text()
+    first_block = text.split("```sh\n", 1)[1].split("```", 1)[0]
+    assert [line.split()[0] for line in first_block.splitlines()] == ["scripts/demo", "scripts/test"]
+    assert text.index("```sh") < text.index("\n## "), "the two commands come first"
+    assert len(text.splitlines()) <= 150, "README.md is for the first five minutes: move the rest to docs/"
+    for doc in ("docs/operator.md", "docs/reference.md", "ARCHITECTURE.md"):
+        assert f"]({doc})" in text, f"README.md's map of the docs links {doc}"
 
 
 def test_the_checker_sees_a_broken_link(tmp_path):
