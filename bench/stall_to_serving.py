@@ -10,7 +10,7 @@ Both on a real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), under
                ordinary request on (upstream #1493). The loop keeps turning;
                nothing is delivered. MLX_HOTFIX_STALL_TIMEOUT=10 for both
                sides (the tiny model's steps take milliseconds; the shipped
-               default is 300 s, see the README); the baseline's shim ignores
+               default is 300 s, see docs/operator.md); the baseline's shim ignores
                it.
   hang at boot `MLX_TEST_FAULT=hang:prefill`, armed before the start: the
                first real request after start-up (the watchdog's own first

@@ -3,10 +3,10 @@
 Two supervised real servers (stock 0.31.3 and 0.32.2, each with the shim)
 behind the shipped HAProxy config, under a steady load of two clients; each
 server is restarted in turn with `mlx-watchdog restart NAME` and the next
-one only once HAProxy has it UP again. The README ("Running several Macs")
-gives the same procedure. Both ways a server may hold its port:
+one only once HAProxy has it UP again. docs/operator.md ("Running several
+Macs") gives the same procedure. Both ways a server may hold its port:
 
-- `--no-socket` (what the README advises behind a balancer): the draining
+- `--no-socket` (what the guide advises behind a balancer): the draining
   server answers /health 503 "draining" and new requests 503 until HAProxy
   has stopped sending to it (the drain's quiet period, MLX_HOTFIX_DRAIN_QUIET:
   its port never closes under a request HAProxy sent), and HAProxy retries

@@ -358,19 +358,20 @@ def test_bound_socket_listens_with_a_backlog_of_at_least_128():
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
 
 
-def test_the_readme_documents_the_drain_the_socket_and_restart():
+def test_the_docs_document_the_drain_the_socket_and_restart():
     from pathlib import Path
     import re
 
     from mlx_watchdog import defaults
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
+    reference = (root / "docs" / "reference.md").read_text()
+    guide = (root / "docs" / "operator.md").read_text()
     shim_config = (root / "sitecustomize" / "mlx_hotfix" / "config.py").read_text()
     shim_default = float(re.search(r"DEFAULT_DRAIN_TIMEOUT = ([0-9.]+)", shim_config).group(1))
     assert shim_default == defaults.DRAIN_TIMEOUT_S  # the watchdog waits for the shim's drain
-    assert f"| `MLX_HOTFIX_DRAIN_TIMEOUT` | `{shim_default:g}` |" in readme
+    assert f"| `MLX_HOTFIX_DRAIN_TIMEOUT` | `{shim_default:g}` |" in reference
     for name in ("/health/live", '"status": "draining"', "--no-socket", "restart NAME",
                  'reason="planned"', "MLX_HOTFIX_LAUNCHD_SOCKET", "LISTEN_FDS", "`drain`",
                  "`socket`", "Rolling restarts"):
-        assert name in readme, name
+        assert name in guide, name

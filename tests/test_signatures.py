@@ -1,6 +1,6 @@
 """The table of death signatures (sitecustomize/mlx_hotfix/signatures.py), as
 the watchdog loads it: each class on its real text, a near miss for each, the
-order of the table, stderr recorded from real runs, and the README table.
+order of the table, stderr recorded from real runs, and the table in docs/operator.md.
 
 Texts are quoted from the upstream sources the table cites; the files in
 tests/data/signatures/ were recorded on this machine (stock servers 0.31.3 and
@@ -20,7 +20,7 @@ from harness.server import SHIM_DIR
 from mlx_watchdog import signatures
 
 DATA = Path(__file__).parent / "data" / "signatures"
-README = Path(__file__).parent.parent / "README.md"
+OPERATOR_GUIDE = Path(__file__).parent.parent / "docs" / "operator.md"
 T = signatures.table()
 
 # (class, exception type, message): what the generation thread raises.
@@ -525,15 +525,15 @@ def test_the_harness_faults_raise_the_real_texts():
         assert signatures.classify(error.__name__, message).cls == expected[kind], kind
 
 
-# -- the README ---------------------------------------------------------------------
+# -- the operator's guide ------------------------------------------------------------------
 
 
-def test_the_readme_lists_every_class_from_the_table():
-    text = README.read_text()
+def test_the_operator_guide_lists_every_class_from_the_table():
+    text = OPERATOR_GUIDE.read_text()
     begin, end = "<!-- death-classes:begin -->\n", "<!-- death-classes:end -->"
     assert begin in text and end in text
     block = text.split(begin, 1)[1].split(end, 1)[0]
     expected = signatures.markdown_table()
     assert block.strip() == expected.strip(), (
-        "README.md's table of death classes is out of date; replace the block between the "
+        "docs/operator.md's table of death classes is out of date; replace the block between the "
         "death-classes markers with:\n\n" + expected)
