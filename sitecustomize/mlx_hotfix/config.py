@@ -98,7 +98,7 @@ class Config:
             environ, "MLX_HOTFIX_RECOVER_WINDOW", 600.0, float, lambda v: 0 < v <= 86400,
             "a number of seconds from 0 to 86400",
         )
-        # Longer than the longest single prefill step (see README, "Stalls").
+        # Longer than the longest single prefill step (see docs/operator.md, "Liveness").
         self.stall_timeout = self._number(
             environ, contract.STALL_TIMEOUT_ENV, 300.0, float,
             lambda v: 1 <= v <= 86400, "a number of seconds from 1 to 86400",

@@ -4,7 +4,7 @@ line, death report) and the watchdog (probe, status, doctor).
 
 Stdlib only and import-cheap: the shim loads it when mlx_lm.server loads.
 
-Evidence (README "Patches by release"): a plain ``pip install mlx-lm==X``
+Evidence (ARCHITECTURE.md "Patches by release"): a plain ``pip install mlx-lm==X``
 resolves mlx to the newest release. From mlx 0.32 the default stream is per
 thread, and mlx-lm releases before 0.31.3 create their stream on the main
 thread, so the generation thread dies on its first request with

@@ -212,7 +212,7 @@ def instance():
     }
 
 
-# What in an exception's text looks like request content (README, "Reports").
+# What in an exception's text looks like request content (docs/operator.md, "Crash reports").
 _QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'" + r'|"(?:[^"\\\n]|\\.)*"')
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,40}\Z")  # 'list', 'NoneType', 'role': code
 _NUMBERS = re.compile(r"-?[0-9]+(?:\s*,\s*-?[0-9]+){7,}")  # token ids

@@ -30,7 +30,7 @@ abort frames; the timeout is the cause). Nothing matched is class
 ``unknown``; classify() and classify_text() never raise.
 
 Tests: tests/test_signatures.py (each class on its real text, near misses,
-recorded stderr, the README table).
+recorded stderr, the table in docs/operator.md).
 """
 
 import re
@@ -202,7 +202,7 @@ TABLE = (
         "config-bad-pair", "mlx-lm and mlx do not go together",
         (r"There is no Stream\((?P<device>cpu|gpu), \d+\) in current thread",),
         source="mlx backend/{cpu/encoder,metal/device}.cpp (mlx 0.32: a stream per "
-               "thread); mlx-lm #1179; README 'Patches by release'",
+               "thread); mlx-lm #1179; ARCHITECTURE.md 'Patches by release'",
         restart_helps=False, config=True,
         remedy="pip install 'mlx<0.32' (tested: mlx==0.31.2) or upgrade mlx-lm to 0.31.3 "
                "or later; mlx-watchdog doctor names the pair"),

@@ -1,7 +1,7 @@
 """The watchdog's tunable defaults and the names it shares with the shim.
 
 The CLI, the config file and the library classes read these from here, so
-`mlx-watchdog supervise --help`, a watch config and the README agree. Paths
+`mlx-watchdog supervise --help`, a watch config and the docs agree. Paths
 that depend on the platform (the state file, the report folder) are computed
 where they are used (state.py, reports.py); the shim keeps its own defaults
 (sitecustomize/mlx_hotfix/config.py). The names shared with the shim come

@@ -207,7 +207,7 @@ def shim_group(ctx: Context) -> Group:
     for name, state in (ctx.found.get("parts") or {}).items():
         if name == "exit" and not str(state).startswith("applied"):
             group.fail(f"exit {state}: a dead generation thread would leave a zombie",
-                       "use a tested mlx-lm release (see the README's parts table)")
+                       "use a tested mlx-lm release (see ARCHITECTURE.md, 'Patches by release')")
         elif str(state).startswith("applied") or name in ("extend", "recover"):
             group.ok(f"{name} {state}")
         else:

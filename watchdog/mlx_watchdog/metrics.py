@@ -39,7 +39,7 @@ class Metrics:
             "mlx_watchdog_restarts",
             "Restarts attempted; the reason label is the judge's cause "
             "(dead-thread, heartbeat-stale, stalled, exited ...), the cause label the "
-            "death's class (README, Death classes; none: the server had not died).",
+            "death's class (docs/operator.md, Death classes; none: the server had not died).",
             # "reason", though it holds a cause: dashboards already query it.
             ["instance", "reason", "cause"],
             registry=self.registry,

@@ -559,7 +559,7 @@ class Monitor:
         A probe that stops waiting leaves its request on the server, which
         answers it late or never (a hang): one more per probe interval until
         the server answers or the judge restarts it. Bounded by the judge's
-        own budget (README, "Probes in flight"), but said, once.
+        own budget (docs/operator.md, "Probes in flight"), but said, once.
         """
         if not getattr(probe, "abandoned", False):
             self._abandoned = 0

@@ -2,7 +2,7 @@
 (sitecustomize/mlx_hotfix/signatures.py), loaded once by path as data (the
 watchdog never imports mlx_hotfix as a package), and what the watchdog adds
 around it: a class for an exit that left no report, the rank and host of a
-group failure, and the README table.
+group failure, and the table in docs/operator.md.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ def restart_column(sig: Any) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of death classes, made from the table itself."""
+    """The table of death classes in docs/operator.md, made from the table itself."""
     module = table()
     rows = ["| class | what happened | a restart helps | remedy |",
             "|---|---|---|---|"]

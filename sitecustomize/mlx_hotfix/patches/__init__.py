@@ -15,7 +15,7 @@ A patch module defines:
     apply(module)
 
 The shape decides, the version only labels (evidence: every release from
-0.28.0 to 0.32.2 was read and run, README "Patches by release"):
+0.28.0 to 0.32.2 was read and run, ARCHITECTURE.md "Patches by release"):
 
 - a part applies whenever its shape check passes. A fix part's check proves
   the buggy code is still there verbatim, so it cannot patch code that

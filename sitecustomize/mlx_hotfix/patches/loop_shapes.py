@@ -1,6 +1,6 @@
 """Where mlx_lm.server's generation loop turns, release by release.
 
-Read from every release's server.py (README "Patches by release"):
+Read from every release's server.py (ARCHITECTURE.md "Patches by release"):
 
 - before 0.28.4: no ResponseGenerator, no generation thread; requests are
   served on the HTTP threads, so a failure reaches its own client.

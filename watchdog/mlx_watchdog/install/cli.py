@@ -135,7 +135,7 @@ def _flag_error(exc: FlagError) -> click.BadParameter:
 @click.option("--env", "server_env", multiple=True, metavar="KEY=VALUE",
               help="Set a variable in the server's environment, e.g. "
                    "MLX_HOTFIX_STALL_TIMEOUT=60 or MLX_HOTFIX_RECOVER=thread (repeatable; see "
-                   "the README's shim variables).")
+                   "docs/reference.md, the shim's variables).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="The watchdog serves Prometheus metrics on this port (off unless given).")
 @click.option("--metrics-host", default=None,
