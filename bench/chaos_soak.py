@@ -26,7 +26,8 @@ nothing was sent), lost (sent, and the connection closed with no answer, or a
 within the 120 s timeout).
 
 "This revision" runs this checkout's watchdog and shim, as they are. "Today"
-(the baseline revision, by default the merge base with `main`), or any
+(the baseline revision, by default the merge base with `main`, on main the
+last release v0.2), or any
 revision named in `--sides`, runs that revision's watchdog and shim from a
 `git archive` (as figure 7 does), so edits made while it runs do not reach
 it. Every side gets the same seed, so the same fault schedule. `--mode recover` sets
@@ -58,7 +59,7 @@ from bench.common import (
     temp_dir,
 )
 from bench.hang_to_serving import LOAD_S, events, track_children, wait_event, wait_serving
-from bench.stall_to_serving import STALL_S, extract_baseline, git, supervise
+from bench.stall_to_serving import STALL_S, default_baseline, extract_baseline, git, supervise
 from harness.procs import chat_body
 
 FAULT_LINE = re.compile(r"mlx-test-fault: (\w+) at (\w+) t=([0-9.]+)")
@@ -270,7 +271,8 @@ def main() -> int:
                                  "revision [default: this,today]")
         parser.add_argument("--baseline", default=None,
                             help="the revision that stands for today "
-                                 "[default: merge base with main]")
+                                 "[default: the merge base with main; on main, the "
+                                 "last release, v0.2]")
         parser.add_argument("--seed", type=int, default=1, help="fault schedule and load seed")
         parser.add_argument("--log-dir", type=Path, default=None,
                             help="keep the supervisors' logs and state files there "
@@ -284,7 +286,7 @@ def main() -> int:
         raise SystemExit("--sides: this, today or git revisions, comma-separated")
     head = git("rev-parse", "--short", "HEAD")
     dirty = bool(git("status", "--porcelain", "--", "watchdog", "sitecustomize"))
-    base_rev = fig.args.baseline or git("merge-base", "HEAD", "main")
+    base_rev = fig.args.baseline or default_baseline()
     base_short = git("rev-parse", "--short", base_rev)
     work = temp_dir("bench-chaos-")
     if fig.args.log_dir is not None:

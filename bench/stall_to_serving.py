@@ -19,7 +19,7 @@ Both on a real stock mlx_lm.server 0.32.2 (tiny random llama, CPU), under
 
 "This revision" runs the watchdog and shim of this checkout. "Today" runs
 the watchdog and shim of the baseline revision (default: the merge base
-with `main`), extracted with `git archive` into a temporary folder and put
+with `main`; on main, the last release v0.2), extracted with `git archive` into a temporary folder and put
 first on PYTHONPATH, so nothing in the checkout changes. Fault moment: the
 `t=` the injector writes. Serving again: the first one-token completion
 answered 200, polled every 0.1 s. A side that has not served again by the
@@ -71,6 +71,21 @@ AFTER_SERVING_S = 5.0  # traffic kept after serving again, for the timeline
 def git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                           check=True).stdout.strip()
+
+
+# The last release (v0.2): what "today" means once a branch is merged, when
+# the merge base with main is the head itself.
+LAST_RELEASE = "b2048a3"
+
+
+def default_baseline() -> str:
+    """The revision that stands for today: the merge base with main, or, on
+    main itself (nothing to compare with there), the last release."""
+    try:
+        base = git("merge-base", "HEAD", "main")
+    except subprocess.CalledProcessError:
+        return LAST_RELEASE
+    return LAST_RELEASE if base == git("rev-parse", "HEAD") else base
 
 
 def extract_baseline(revision: str, into: Path) -> Path:
@@ -192,12 +207,13 @@ def main() -> int:
     fig = Figure("stall_to_serving", "Figure 7: livelock and hang at boot to serving again",
                  __doc__, add_arguments=lambda p: p.add_argument(
                      "--baseline", default=None,
-                     help="the revision that stands for today [default: merge base with main]"))
+                     help="the revision that stands for today [default: the merge base with "
+                          "main; on main, the last release, v0.2]"))
     reps = 1 if fig.quick else 3
     cap = {"livelock": 120.0 if fig.quick else 660.0, "hang-at-boot": 180.0}
     head = git("rev-parse", "--short", "HEAD")
     dirty = bool(git("status", "--porcelain", "--", "watchdog", "sitecustomize"))
-    base_rev = fig.args.baseline or git("merge-base", "HEAD", "main")
+    base_rev = fig.args.baseline or default_baseline()
     base_short = git("rev-parse", "--short", base_rev)
     work = temp_dir("bench-stall-")
     baseline = extract_baseline(base_rev, work / "baseline")
