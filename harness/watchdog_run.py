@@ -26,6 +26,7 @@ import psutil
 import requests
 
 from harness.procs import chat, kill_group
+from harness.server import scratch_report_dir
 
 _PID = re.compile(r"started pid (\d+)")
 
@@ -58,7 +59,9 @@ class WatchdogProcess:
         environment = dict(os.environ if env is None else env)
         # The watchdog and the servers it starts report into the test's folder,
         # never the user's, unless the test names one.
-        environment.setdefault("MLX_HOTFIX_REPORT_DIR", str(Path(tmp_path) / f"{name}-reports"))
+        # (base_env's folder is one per pytest process, shared by its tests: not that.)
+        if environment.get("MLX_HOTFIX_REPORT_DIR") in (None, "", str(scratch_report_dir())):
+            environment["MLX_HOTFIX_REPORT_DIR"] = str(Path(tmp_path) / f"{name}-reports")
         self.report_dir = Path(environment["MLX_HOTFIX_REPORT_DIR"])
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(

@@ -106,8 +106,14 @@ def test_death_answers_every_client_then_exits_70(servers, tiny_llama, tmp_path,
     assert server.wait_exit(CLIENT_TIMEOUT) == 70, server.log()
     # Each was answered: completed before the death, or told of it. The fault
     # strikes while they are in flight, so at least one was told.
-    told = [_stream_outcome(streaming), _plain_outcome(plain), _plain_outcome(queued)]
-    assert "error" in told[:2], (told, streaming, plain)
+    told = [_stream_outcome(streaming), _plain_outcome(plain)]
+    assert "error" in told, (told, streaming, plain)
+    # The third is sent last: on a loaded machine the death can come before it
+    # connects (refused: the process is gone, no client was cut off). Once in,
+    # it is answered like the others.
+    if not (isinstance(queued.error, requests.ConnectionError) and queued.join(0)
+            and "refused" in str(queued.error).lower()):
+        _plain_outcome(queued)
 
     log = server.log()
     died = [l for l in server.hotfix_lines() if "generation thread died" in l]
