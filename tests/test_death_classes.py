@@ -241,7 +241,7 @@ def test_the_shims_class_of_a_death_and_the_fields_a_report_gets():
     fields (no request text in the detail), and a known-bad pair's fallback."""
     code = r"""
 import json
-from mlx_hotfix.patches import exit_on_death as e
+from mlx_hotfix.patches import exit as e
 out = {}
 out["oom"] = e.cause_fields(e.classify_death(RuntimeError(
     "[metal::malloc] Attempting to allocate 900 bytes which is greater than the maximum "

@@ -323,7 +323,7 @@ def _known_bad_pair():
     yanked release alone is not a pair)."""
     try:
         from .. import pairings
-        from . import mlx_lm_version, mlx_version
+        from ..versions import mlx_lm_version, mlx_version
 
         found = pairings.problems(mlx_lm_version(), mlx_version(),
                                   pairings.installed_version("transformers"))
@@ -335,7 +335,7 @@ def _known_bad_pair():
 def _note_known_bad_pair():
     """A death from a known-bad mlx-lm/mlx pair: say why; the warning, for the report."""
     try:
-        from . import pairing_warning
+        from ..versions import pairing_warning
 
         warning = pairing_warning()
     except Exception:  # noqa: BLE001
