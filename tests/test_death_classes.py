@@ -11,7 +11,7 @@ import logging
 from mlx_watchdog import oomkill, reports
 from mlx_watchdog.judge import HEALTHY
 from mlx_watchdog.probe import UNREACHABLE, ProbeResult
-from mlx_watchdog.state import format_status
+from mlx_watchdog.status_view import format_status
 from tests.test_supervise import GOOD, make
 
 DOWN_PROBE = ProbeResult(UNREACHABLE, 0.0, reason="connection refused")

@@ -22,7 +22,7 @@ _LAZY = {
     "probe": ("probe_cli", "probe_command"),
     "supervise": ("daemon_cli", "supervise_command"),
     "watch": ("daemon_cli", "watch_command"),
-    "status": ("daemon_cli", "status_command"),
+    "status": ("status_cli", "status_command"),
     "restart": ("restart_cli", "restart_command"),
     "install": ("install.cli", "install_command"),
     "uninstall": ("install.cli", "uninstall_command"),
