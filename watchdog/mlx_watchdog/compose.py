@@ -25,7 +25,8 @@ from .monitor import Monitor, ProcessEvidence, RestartAction
 from .policy import RestartPolicy
 from .probe import Probe, ProbeResult
 from .state import StateStore
-from .throughput import ReportWatcher, ThroughputTracker
+from .report_watcher import ReportWatcher
+from .throughput import ThroughputTracker
 
 
 def judge_config(instance: InstanceConfig) -> JudgeConfig:

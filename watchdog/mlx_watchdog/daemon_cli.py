@@ -367,7 +367,7 @@ def watch_command(
     Options given here override the config file's global keys.
     """
     from .config import ConfigError, load_config
-    from .watch import Watcher, build_monitor
+    from .watch import Watcher, build_watched_server_monitor
 
     try:
         config = load_config(config_path)
@@ -384,7 +384,8 @@ def watch_command(
         Events().warning("config", warning)
     metrics = _metrics(metrics_port or config.metrics_port, metrics_host or config.metrics_host)
     state = StateStore(state_file or config.state_file or default_state_path())
-    monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}
+    monitors = {i.name: build_watched_server_monitor(i, metrics=metrics, state=state)
+                for i in config.instances}
     Events().info("watch", f"watching {len(names)} instance(s): {', '.join(names)}")
     intervals = {i.name: i.interval for i in config.instances}
     raise SystemExit(Watcher(monitors, intervals, control=control_dir(state.path)).run())
