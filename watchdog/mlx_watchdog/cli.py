@@ -74,7 +74,8 @@ def exec_command(command: tuple) -> None:
     from .shim import with_shim
 
     env = with_shim()
-    from .group import GroupError, is_launch_command
+    from .group_hosts import GroupError
+    from .group_launch import is_launch_command
 
     if is_launch_command(command):
         # A group cannot be exec'd: mlx.launch exits 0 after a rank dies (group.py).

@@ -463,7 +463,8 @@ def _held_socket(command, wanted: bool, no_shim: bool, group_command):
 
 def _group_command(command, env, private, remote_shim_path, no_shim):
     """The mlx.launch group command as it should run, or None for a lone server."""
-    from .group import GroupError, prepare
+    from .group import prepare
+    from .group_hosts import GroupError
 
     try:
         return prepare(command, env, private_dir=private, remote_shim_path=remote_shim_path,

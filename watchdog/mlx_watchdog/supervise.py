@@ -50,7 +50,7 @@ from . import contract, defaults, held_socket, reports
 from .act import ActionResult
 from .compose import build_monitor
 from .config import InstanceConfig
-from .group import clear_heartbeats
+from .group_heartbeats import clear_heartbeats
 from .policy import RestartPolicy
 from .judge import DOWN, Verdict
 from .listener import ListenerCheck
@@ -479,7 +479,7 @@ class Supervisor:
     def _group_hosts(self) -> Optional[List[str]]:
         """The hosts of an mlx.launch child, in rank order (None: not a group)."""
         try:
-            from .group import parse_launch
+            from .group_launch import parse_launch
 
             command = parse_launch(self.command)
         except Exception:  # noqa: BLE001 - a hostfile gone since the start: no names
