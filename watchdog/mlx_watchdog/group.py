@@ -34,6 +34,7 @@ rank's heartbeat), group_install.py (`install --hostfile/--hosts`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -155,12 +156,10 @@ def run_group(argv: Sequence[str], env: Mapping[str, str], *,
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
         if sig != signal.SIGKILL:
             os.killpg(pgid, signal.SIGCONT)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _group_alive(pgid: int) -> bool:

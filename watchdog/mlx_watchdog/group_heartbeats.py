@@ -3,6 +3,7 @@ rank_file); GroupHeartbeat hands the judge the worst one."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from typing import Dict, List, Optional
@@ -21,10 +22,8 @@ def rank_heartbeat_files(path: "str | os.PathLike[str]") -> List[str]:
 def clear_heartbeats(path: "str | os.PathLike[str]") -> None:
     """Remove every rank's heartbeat (a new group starts): an old one would look stale."""
     for file in [str(path), *rank_heartbeat_files(path)]:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(file)
-        except OSError:
-            pass
 
 
 class GroupHeartbeat:

@@ -3,6 +3,7 @@ own names (which mlx.launch runs without ssh only as 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -91,10 +92,8 @@ def check_host_name(name: str, where: str) -> str:
 
 def local_names() -> List[str]:
     names = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
-    try:
+    with contextlib.suppress(OSError):
         names.add(socket.getfqdn())
-    except OSError:
-        pass
     return sorted(n for n in names if n)
 
 

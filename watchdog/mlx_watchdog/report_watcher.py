@@ -3,6 +3,7 @@ watchdog's restart evidence and `status`'s newest report)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -48,10 +49,8 @@ class ReportWatcher:
             with os.scandir(self.folder) as entries:
                 for entry in entries:
                     if contract.REPORT_NAME.match(entry.name):
-                        try:
+                        with contextlib.suppress(OSError):
                             names[entry.name] = entry.stat().st_mtime
-                        except OSError:
-                            pass
         except OSError:  # no folder (yet): no reports
             pass
         names = {name: mtime for name, mtime in names.items() if self._is_ours(name)}
