@@ -53,6 +53,7 @@ from .. import config, heartbeat, log
 from .._wrap import _wrap, wrapped_by
 from ..group import rank as group_rank
 from . import exit as exit_part
+from . import stop_signals
 from ._http import send_json
 from .heartbeat import _is_probe
 
@@ -136,7 +137,7 @@ class Drain:
             listener.open.pop(request, None)
             self._changed.notify_all()
 
-    # -- the signal: from the exit part's handler, so no locks here -------------
+    # -- the signal: from the exit part's handler (stop_signals.py), so no locks here
     def begin(self, signum):
         """Start draining on this SIGTERM; False when the caller should stop
         at once instead (a second SIGTERM, a drain timeout of 0, a group)."""
@@ -369,7 +370,7 @@ def apply(server):
             (listener, "server_activate", _wrap_server_activate(listener.server_activate)))
     for owner, name, value in replacements:
         setattr(owner, name, value)
-    exit_part.stop_hook = state.begin
+    stop_signals.stop_hook = state.begin
 
 
 def describe():
