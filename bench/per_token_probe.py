@@ -311,9 +311,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     from mlx_hotfix import patches
+    from mlx_hotfix.versions import mlx_lm_version
 
     timer = Layers(args.calls, args.repeats)
-    result = {"mlx_lm": patches.mlx_lm_version(), "python": sys.version.split()[0],
+    result = {"mlx_lm": mlx_lm_version(), "python": sys.version.split()[0],
               "calls": args.calls, "repeats": args.repeats,
               "parts": dict(patches.status)}
     worker = threading.Thread(target=measure_generation_side, args=(timer, result),

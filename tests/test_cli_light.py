@@ -185,7 +185,7 @@ def test_reports_name_their_instance_and_filter_by_it(tmp_path):
 
 
 def test_the_report_watcher_counts_only_its_instances_reports(tmp_path):
-    from mlx_watchdog.throughput import ReportWatcher
+    from mlx_watchdog.report_watcher import ReportWatcher
 
     qwen = ReportWatcher(tmp_path, "qwen", 8080)
     gemma = ReportWatcher(tmp_path, "gemma", 8081)

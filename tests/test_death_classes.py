@@ -11,7 +11,7 @@ import logging
 from mlx_watchdog import oomkill, reports
 from mlx_watchdog.judge import HEALTHY
 from mlx_watchdog.probe import UNREACHABLE, ProbeResult
-from mlx_watchdog.state import format_status
+from mlx_watchdog.status_view import format_status
 from tests.test_supervise import GOOD, make
 
 DOWN_PROBE = ProbeResult(UNREACHABLE, 0.0, reason="connection refused")
@@ -241,7 +241,7 @@ def test_the_shims_class_of_a_death_and_the_fields_a_report_gets():
     fields (no request text in the detail), and a known-bad pair's fallback."""
     code = r"""
 import json
-from mlx_hotfix.patches import exit_on_death as e
+from mlx_hotfix.patches import exit as e
 out = {}
 out["oom"] = e.cause_fields(e.classify_death(RuntimeError(
     "[metal::malloc] Attempting to allocate 900 bytes which is greater than the maximum "

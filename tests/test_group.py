@@ -20,8 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlx_watchdog import group
-from mlx_watchdog.group import GroupError, GroupHeartbeat, parse_launch
+from mlx_watchdog import group, group_heartbeats, group_install, group_ssh
+from mlx_watchdog.group_heartbeats import GroupHeartbeat
+from mlx_watchdog.group_hosts import GroupError
+from mlx_watchdog.group_launch import parse_launch
 from harness.fakes import Clock
 from harness.server import python_for
 
@@ -220,8 +222,8 @@ def test_a_stale_rank_makes_the_group_heartbeat_stale(tmp_path):
     beat(Path(f"{base}.rank1"), age=0.0, rank=1, beats=2, now=clock.now)
     reading = tracker.sample()
     assert reading.pid == 100 and reading.age_s >= 39  # the group hangs
-    group.clear_heartbeats(base)
-    assert not base.exists() and group.rank_heartbeat_files(base) == []
+    group_heartbeats.clear_heartbeats(base)
+    assert not base.exists() and group_heartbeats.rank_heartbeat_files(base) == []
 
 
 def test_the_shim_writes_each_ranks_heartbeat_with_rank_and_host(tmp_path):
@@ -271,22 +273,22 @@ class FakeRun:
 def test_install_refuses_unreachable_hosts_and_accepts_local_ones(tmp_path):
     python = str(python_for("0.32.2"))
     local = hostfile(tmp_path, ("localhost", "127.0.0.1"), ("127.0.0.1", "127.0.0.1"))
-    options = group.install_options(python=python, hostfile=local, hosts=None, backend="ring",
+    options = group_install.install_options(python=python, hostfile=local, hosts=None, backend="ring",
                                     run=FakeRun())
     assert options[0].endswith("/mlx.launch") and options[1:] == ("--hostfile", local,
                                                                     "--backend", "ring")
     remote = hostfile(tmp_path, ("127.0.0.1", "127.0.0.1"), ("studio-2", "10.0.0.6"),
                       name="remote.json")
     with pytest.raises(GroupError, match="(?s)cannot reach every host.*studio-2.*BatchMode"):
-        group.install_options(python=python, hostfile=remote, hosts=None, backend=None,
+        group_install.install_options(python=python, hostfile=remote, hosts=None, backend=None,
                               run=FakeRun())
-    assert group.install_options(python=python, hostfile=remote, hosts=None, backend=None,
+    assert group_install.install_options(python=python, hostfile=remote, hosts=None, backend=None,
                                  run=FakeRun(reachable={"studio-2"}))
     with pytest.raises(GroupError, match="not both"):
-        group.install_options(python=python, hostfile=local, hosts="a,b", backend=None)
+        group_install.install_options(python=python, hostfile=local, hosts="a,b", backend=None)
     with pytest.raises(GroupError, match="at least two"):
-        group.install_options(python=python, hostfile=None, hosts="127.0.0.1", backend=None)
-    assert group.install_options(python=python, hostfile=None, hosts=None, backend=None) is None
+        group_install.install_options(python=python, hostfile=None, hosts="127.0.0.1", backend=None)
+    assert group_install.install_options(python=python, hostfile=None, hosts=None, backend=None) is None
 
 
 # -- a host name ssh would read as an option (issue 18) ----------------------------------
@@ -306,9 +308,9 @@ def test_a_host_named_like_an_ssh_option_is_refused_before_ssh_runs(tmp_path):
     assert len(problems) == 1 and "host 1: host name '-oProxyCommand=touch" in problems[0]
     assert "starts with '-', which ssh reads as an option" in problems[0]
     with pytest.raises(GroupError, match="starts with '-'"):
-        group.install_options(python=python, hostfile=path, hosts=None, backend=None)
+        group_install.install_options(python=python, hostfile=path, hosts=None, backend=None)
     with pytest.raises(GroupError, match="--hosts: host name '-oProxyCommand"):
-        group.install_options(python=python, hostfile=None, hosts=f"127.0.0.1,{evil}",
+        group_install.install_options(python=python, hostfile=None, hosts=f"127.0.0.1,{evil}",
                               backend=None)
     home = tmp_path / "home"
     home.mkdir()
@@ -324,10 +326,10 @@ def test_a_host_named_like_an_ssh_option_is_refused_before_ssh_runs(tmp_path):
 
 
 def test_every_ssh_we_run_ends_its_options_before_the_host():
-    argv = group.ssh_check_argv("studio-2", "true")
+    argv = group_ssh.ssh_check_argv("studio-2", "true")
     assert argv[-3:] == ["--", "studio-2", "true"]
     with pytest.raises(GroupError):
-        group.ssh_check_argv("-oProxyCommand=x")
+        group_ssh.ssh_check_argv("-oProxyCommand=x")
 
 
 # -- exec: the launcher's exit 0 after a rank death ---------------------------------------

@@ -38,7 +38,8 @@ from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.probe import Probe, ProbeResult, check_url
 from mlx_watchdog.process import CpuSampler, ProcessLocator
 from mlx_watchdog.redact import Secret, printable, scrub
-from mlx_watchdog.state import StateStore, format_status, read_state
+from mlx_watchdog.state import StateStore, read_state
+from mlx_watchdog.status_view import format_status
 from mlx_watchdog.supervise import Supervisor, url_from_command
 from harness.fakeserver import FakeServer, json_answer
 

@@ -22,7 +22,8 @@ from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.monitor import Monitor
 from mlx_watchdog.policy import RestartPolicy
 from mlx_watchdog.probe import OK, ProbeResult
-from mlx_watchdog.state import StateStore, format_status, read_state
+from mlx_watchdog.state import StateStore, read_state
+from mlx_watchdog.status_view import format_status
 from tests.test_monitor import logs  # noqa: F401 - a fixture
 from tests.test_restart import PlannedAction
 

@@ -31,7 +31,8 @@ from mlx_watchdog.log import Events, setup_logging
 from mlx_watchdog.metrics import Metrics
 from mlx_watchdog.monitor import Monitor
 from mlx_watchdog.probe import OK, UNHEALTHY, ProbeResult
-from mlx_watchdog.state import StateStore, format_status, read_state
+from mlx_watchdog.state import StateStore, read_state
+from mlx_watchdog.status_view import format_status
 from mlx_watchdog.watch import Watcher
 
 GOOD = ProbeResult(OK, 0.2, tokens=1, reason="ok", http_status=200)

@@ -353,7 +353,7 @@ def test_the_heartbeat_check_leaves_the_tracker_to_the_monitor_thread(tmp_path):
     # The probe's give-up thread runs beside the monitor's: it reads the file
     # itself and never samples (nor resets) the monitor's tracker.
     from mlx_watchdog.compose import _stale_heartbeat
-    from mlx_watchdog.group import GroupHeartbeat
+    from mlx_watchdog.group_heartbeats import GroupHeartbeat
     from mlx_watchdog.heartbeat import HeartbeatTracker
 
     path = tmp_path / "heartbeat.json"

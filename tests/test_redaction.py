@@ -19,7 +19,7 @@ from mlx_watchdog.monitor import Monitor
 from mlx_watchdog.probe import Probe
 from mlx_watchdog.redact import Secret, redact_url
 from mlx_watchdog.state import StateStore
-from mlx_watchdog.watch import build_monitor
+from mlx_watchdog.watch import build_watched_server_monitor
 from harness.fakeserver import FakeServer, json_answer
 
 KEY = "sk-live-Zq81xTopSecret"
@@ -49,7 +49,7 @@ def test_config_repr():
                              "restart": {"type": "none"}}}}
     )
     assert KEY not in repr(config) and KEY not in str(config.instances[0])
-    assert build_monitor(config.instances[0]).probe.api_key.reveal() == KEY
+    assert build_watched_server_monitor(config.instances[0]).probe.api_key.reveal() == KEY
 
 
 def test_redact_url():

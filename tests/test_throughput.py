@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_watchdog.heartbeat import read_record
 from mlx_watchdog.metrics import Metrics
-from mlx_watchdog.throughput import CounterTotals, ReportWatcher, ThroughputTracker
+from mlx_watchdog.report_watcher import ReportWatcher
+from mlx_watchdog.throughput import CounterTotals, ThroughputTracker
 
 
 def _samples(metrics: Metrics) -> dict:

@@ -10,10 +10,14 @@ _MARK = "__mlx_hotfix_wrapped__"
 
 
 def _wrap(function, wrapper, part=True):
-    wrapper.__name__ = function.__name__
-    wrapper.__qualname__ = getattr(function, "__qualname__", function.__name__)
-    wrapper.__doc__ = function.__doc__
-    wrapper.__wrapped__ = function
+    # functools here, not at the top: patches wrap only after mlx_lm is
+    # imported, and the drop-in imports only os and sys before that.
+    from functools import update_wrapper
+
+    # __module__ and __dict__ stay the wrapper's own (a function's __dict__
+    # would bring the mark of the part that wrapped it before).
+    update_wrapper(wrapper, function, assigned=("__name__", "__qualname__", "__doc__"),
+                   updated=())
     setattr(wrapper, _MARK, part)
     return wrapper
 

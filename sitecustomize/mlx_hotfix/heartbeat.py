@@ -116,7 +116,7 @@ def warning():
     global _warning
     if _warning is _UNSET:
         try:
-            from .patches import pairing_warning
+            from .versions import pairing_warning
 
             _warning = pairing_warning()
         except Exception:  # noqa: BLE001 - a warning never costs a beat

@@ -66,11 +66,11 @@ def _ensure_dir(path):
 def _versions():
     import platform
 
-    from . import patches
+    from .versions import mlx_lm_version, mlx_version
 
     return {
-        "mlx_lm": patches.mlx_lm_version(),
-        "mlx": patches.mlx_version(),
+        "mlx_lm": mlx_lm_version(),
+        "mlx": mlx_version(),
         "python": platform.python_version(),
         "os": platform.platform(),
     }

@@ -22,7 +22,7 @@ _LAZY = {
     "probe": ("probe_cli", "probe_command"),
     "supervise": ("daemon_cli", "supervise_command"),
     "watch": ("daemon_cli", "watch_command"),
-    "status": ("daemon_cli", "status_command"),
+    "status": ("status_cli", "status_command"),
     "restart": ("restart_cli", "restart_command"),
     "install": ("install.cli", "install_command"),
     "uninstall": ("install.cli", "uninstall_command"),
@@ -74,7 +74,8 @@ def exec_command(command: tuple) -> None:
     from .shim import with_shim
 
     env = with_shim()
-    from .group import GroupError, is_launch_command
+    from .group_hosts import GroupError
+    from .group_launch import is_launch_command
 
     if is_launch_command(command):
         # A group cannot be exec'd: mlx.launch exits 0 after a rank dies (group.py).

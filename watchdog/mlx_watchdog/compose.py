@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from . import defaults, reports
 from .config import InstanceConfig
-from .group import heartbeat_tracker
+from .group_heartbeats import heartbeat_tracker
 from .heartbeat import SERVING, STALLED, read_heartbeat
 from .judge import Judge, JudgeConfig
 from .keep_awake import KeepAwake
@@ -25,7 +25,8 @@ from .monitor import Monitor, ProcessEvidence, RestartAction
 from .policy import RestartPolicy
 from .probe import Probe, ProbeResult
 from .state import StateStore
-from .throughput import ReportWatcher, ThroughputTracker
+from .report_watcher import ReportWatcher
+from .throughput import ThroughputTracker
 
 
 def judge_config(instance: InstanceConfig) -> JudgeConfig:
@@ -63,7 +64,7 @@ def build_monitor(
     machine: Optional[Callable[[], "Machine"]] = None,  # tests: instead of macos.machine
 ) -> Monitor:
     heartbeat_file = instance.heartbeat_file
-    # Every rank's heartbeat when the server is an mlx.launch group (group.py).
+    # Every rank's heartbeat when the server is an mlx.launch group (group_heartbeats.py).
     heartbeat = heartbeat_tracker(heartbeat_file, owner=owner) if heartbeat_file else None
     events = Events(instance.name)
     return Monitor(

@@ -26,6 +26,7 @@ daemon's user (or root) can restart its servers, as they could with a signal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -170,11 +171,9 @@ class ControlPoller:
             reason[:200], done=lambda result: self._answer(request_id, taken, result))
 
     def _drop_if_stale(self, path: Path) -> None:
-        try:
+        with contextlib.suppress(OSError):
             if self.clock() - path.stat().st_mtime > STALE_S:
                 path.unlink()
-        except OSError:
-            pass
 
     def _answer(self, request_id: str, taken: Path, result: ActionResult) -> None:
         try:
@@ -183,10 +182,8 @@ class ControlPoller:
                                          "time": self.clock()}) + "\n")
         except OSError as exc:
             self.events.warning("control", f"cannot answer {request_id}: {exc.strerror or exc}")
-        try:
+        with contextlib.suppress(OSError):
             taken.unlink()
-        except OSError:
-            pass
 
 
 # -- the command line's side ---------------------------------------------------------
@@ -213,10 +210,8 @@ class Request:
         data = _read(done)
         if data is None:
             return None
-        try:
+        with contextlib.suppress(OSError):
             done.unlink()
-        except OSError:
-            pass
         return data
 
     def withdraw(self) -> bool:

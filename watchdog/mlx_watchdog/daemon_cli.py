@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
@@ -14,7 +12,7 @@ import click
 
 from . import defaults
 from .control import control_dir
-from .log import FORMATS, Events, colour_wanted, setup_logging
+from .log import FORMATS, Events, setup_logging
 from .metrics import Metrics
 from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _SECONDS,
@@ -26,19 +24,9 @@ from .probe_cli import (  # noqa: F401 - probe_command is re-exported
     _model_option,
     probe_command,
 )
-from .redact import printable, secret
-from .state import (StateStore, default_state_path, format_status, known_state_files,
-                    read_states)
-
-
-def _state_file_option(f: Callable) -> Callable:
-    return click.option(
-        "--state-file",
-        type=click.Path(dir_okay=False),
-        default=None,
-        help="The JSON state file. [default: $XDG_STATE_HOME/mlx-watchdog/state.json, "
-        "or ~/.local/state/mlx-watchdog/state.json]",
-    )(f)
+from .redact import secret
+from .state import StateStore, default_state_path
+from .status_cli import state_file_option
 
 
 def _number_option(
@@ -91,7 +79,7 @@ def memory_options(f: Callable) -> Callable:
 
 
 def _daemon_options(f: Callable) -> Callable:
-    f = _state_file_option(f)
+    f = state_file_option(f)
     f = click.option(
         "--log-format",
         type=click.Choice(FORMATS),
@@ -379,7 +367,7 @@ def watch_command(
     Options given here override the config file's global keys.
     """
     from .config import ConfigError, load_config
-    from .watch import Watcher, build_monitor
+    from .watch import Watcher, build_watched_server_monitor
 
     try:
         config = load_config(config_path)
@@ -396,80 +384,11 @@ def watch_command(
         Events().warning("config", warning)
     metrics = _metrics(metrics_port or config.metrics_port, metrics_host or config.metrics_host)
     state = StateStore(state_file or config.state_file or default_state_path())
-    monitors = {i.name: build_monitor(i, metrics=metrics, state=state) for i in config.instances}
+    monitors = {i.name: build_watched_server_monitor(i, metrics=metrics, state=state)
+                for i in config.instances}
     Events().info("watch", f"watching {len(names)} instance(s): {', '.join(names)}")
     intervals = {i.name: i.interval for i in config.instances}
     raise SystemExit(Watcher(monitors, intervals, control=control_dir(state.path)).run())
-
-
-@click.command("status")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the instances as JSON (each with its shown state as \"status\").")
-@click.option("--prune", is_flag=True,
-              help="Forget every instance whose watchdog stopped or is gone (stale), then show "
-              "the rest.")
-@click.option("--no-color", "no_color", is_flag=True,
-              help="No colour even on a terminal (so does a set NO_COLOR variable).")
-@_state_file_option
-@click.pass_context
-def status_command(ctx: click.Context, as_json: bool, prune: bool, no_color: bool,
-                   state_file: Optional[str]) -> None:
-    """Show what the running watchdogs last saw of each instance.
-
-    Without --state-file it reads the shared state file and every installed
-    instance's NAME.state.json (in each service manager's state folder). A
-    row whose watchdog is gone, or silent for three intervals, reads "stale
-    (watchdog not running)"; one whose watchdog stopped cleanly, "stopped".
-    Exits 0 when every instance is healthy or busy, 1 otherwise (like
-    `systemctl is-active`) and when there is nothing to show.
-    """
-    from .state import SERVING_STATES, STALE, STOPPED, prune_state, status_of
-
-    secret(os.environ.get(defaults.API_KEY_ENV))  # known, so scrubbed from the output
-    paths = [Path(state_file)] if state_file else known_state_files()
-    now = time.time()
-    if prune:
-        for path in paths:
-            try:
-                forgotten = prune_state(
-                    path, lambda record: status_of(record, now) in (STALE, STOPPED))
-            except FileNotFoundError:
-                continue
-            except (OSError, ValueError) as exc:
-                click.echo(f"cannot prune {path}: {exc}", err=True)
-                continue
-            for name in forgotten:
-                click.echo(f"forgot {printable(name)} ({path})", err=True)
-    instances: dict = {}
-    found = []
-    for path, data in read_states(paths):
-        found.append(path)
-        for name, record in data["instances"].items():
-            key = name if name not in instances else f"{name} ({path})"
-            instances[key] = record
-    if not found:
-        if state_file:
-            message = (f"no state file at {paths[0]}: is `mlx-watchdog supervise` or `watch` "
-                       "running (with this --state-file)?")
-        else:
-            folders = sorted({str(p.parent) for p in paths[1:]})
-            message = (f"no state file at {paths[0]}, nor an installed instance's in "
-                       f"{', '.join(folders)}: is `mlx-watchdog supervise`, `watch` or an "
-                       "installed instance running?")
-        click.echo(message, err=True)
-        ctx.exit(1)
-    shown = {name: status_of(record, now) for name, record in instances.items()}
-    if as_json:
-        from .redact import scrub
-
-        out = {name: dict(record, status=shown[name]) if isinstance(record, dict) else record
-               for name, record in instances.items()}
-        click.echo(scrub(json.dumps({"instances": out, "files": [str(p) for p in found]},
-                                    indent=2, sort_keys=True)))
-    else:
-        colour = colour_wanted(no_color)
-        click.echo(format_status({"instances": instances}, now=now, colour=colour))
-    ctx.exit(0 if shown and all(state in SERVING_STATES for state in shown.values()) else 1)
 
 
 def _check_before_start(command: Tuple[str, ...], listener_check: bool) -> None:
@@ -544,7 +463,8 @@ def _held_socket(command, wanted: bool, no_shim: bool, group_command):
 
 def _group_command(command, env, private, remote_shim_path, no_shim):
     """The mlx.launch group command as it should run, or None for a lone server."""
-    from .group import GroupError, prepare
+    from .group import prepare
+    from .group_hosts import GroupError
 
     try:
         return prepare(command, env, private_dir=private, remote_shim_path=remote_shim_path,

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from .group import (LOCAL_HOST, GroupError, Runner, is_this_machine, read_hosts,
-                    ssh_check_argv, unreachable_hosts)
+from .group_hosts import LOCAL_HOST, GroupError, is_this_machine, read_hosts
+from .group_ssh import Runner, ssh_check_argv, unreachable_hosts
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 Check = Tuple[str, str, Optional[str]]  # (status, message, how to fix it or None)

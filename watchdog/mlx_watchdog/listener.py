@@ -12,6 +12,7 @@ the probe got an answer), it says who.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 from typing import Callable, Iterable, List, Optional
@@ -24,17 +25,13 @@ from .probe import UNREACHABLE, ProbeResult
 
 def _local_addresses() -> set:
     addresses = {"localhost", "0.0.0.0", "::"}
-    try:
+    with contextlib.suppress(psutil.Error, OSError):
         for entries in psutil.net_if_addrs().values():
             for entry in entries:
                 if entry.family in (socket.AF_INET, socket.AF_INET6):
                     addresses.add(entry.address.split("%", 1)[0])
-    except (psutil.Error, OSError):
-        pass
-    try:
+    with contextlib.suppress(OSError):
         addresses.add(socket.gethostname())
-    except OSError:
-        pass
     return addresses
 
 

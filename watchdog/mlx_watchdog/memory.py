@@ -24,6 +24,7 @@ readers are macos.py):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -274,7 +275,5 @@ def write_request(heartbeat_file: "str | os.PathLike[str]", *, pid: int,
 
 def clear_request(heartbeat_file: "str | os.PathLike[str]") -> None:
     """Remove the request file (a new server process, or the guard off)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(request_path(heartbeat_file))
-    except FileNotFoundError:
-        pass

@@ -28,7 +28,8 @@ from .probe import UNHEALTHY, UNREACHABLE, ProbeResult
 from .process import ProcessSample
 from .redact import redact_url
 from .state import StateStore
-from .throughput import ReportWatcher, ThroughputTracker
+from .report_watcher import ReportWatcher
+from .throughput import ThroughputTracker
 
 # A restart nothing was wrong for (`mlx-watchdog restart`; the memory guard's
 # has its own cause, MEMORY_CAUSE): the server drains first; counted apart

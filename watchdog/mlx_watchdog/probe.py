@@ -22,6 +22,7 @@ the total deadline needs (see _Deadline).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -450,10 +451,8 @@ class _Deadline:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 class _Connection(http.client.HTTPConnection):

@@ -115,3 +115,8 @@ def redact_argv(argv: "list[str]") -> "list[str]":
     the shim redacts its reports' argv (the contract's SECRET_WORDS); known
     secrets elsewhere are scrubbed."""
     return contract.redact_argv(argv, scrub)
+
+
+def printable_lines(lines: "list[str]") -> str:
+    """Lines joined, each with its control characters escaped."""
+    return "\n".join(printable(line) for line in lines)

@@ -25,8 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from . import __version__, contract, defaults
 from .heartbeat import read_record
-from .redact import printable
-from .state import printable_lines
+from .redact import printable, printable_lines
 from .safefile import open_regular, read_regular, write_atomically
 
 KEEP = contract.KEEP

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import signal
 import socket
@@ -50,7 +51,7 @@ from . import contract, defaults, held_socket, reports
 from .act import ActionResult
 from .compose import build_monitor
 from .config import InstanceConfig
-from .group import clear_heartbeats
+from .group_heartbeats import clear_heartbeats
 from .policy import RestartPolicy
 from .judge import DOWN, Verdict
 from .listener import ListenerCheck
@@ -174,12 +175,10 @@ class Child:
         """Send sig to the group. A stopped process (SIGSTOP, SIGTSTP) acts on a
         signal only once continued, so SIGCONT follows, as systemd does.
         Safe in a signal handler: two system calls."""
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, sig)
             if sig not in (signal.SIGKILL, signal.SIGCONT):
                 os.killpg(self.pid, signal.SIGCONT)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 PARENT_PID_ENV = contract.PARENT_PID_ENV  # the shim exits when this process is gone
@@ -241,10 +240,8 @@ def relay_output(pipe, prefix: bytes = SERVER_PREFIX,
     except (OSError, ValueError):
         pass
     finally:
-        try:
+        with contextlib.suppress(OSError):
             pipe.close()
-        except OSError:
-            pass
 
 
 def parent_death_signal() -> Optional[Callable[[], None]]:
@@ -479,7 +476,7 @@ class Supervisor:
     def _group_hosts(self) -> Optional[List[str]]:
         """The hosts of an mlx.launch child, in rank order (None: not a group)."""
         try:
-            from .group import parse_launch
+            from .group_launch import parse_launch
 
             command = parse_launch(self.command)
         except Exception:  # noqa: BLE001 - a hostfile gone since the start: no names
@@ -548,10 +545,8 @@ class Supervisor:
         if not self.shim or self.child is None:
             return
         pids = [self.child.pid]
-        try:
+        with contextlib.suppress(psutil.Error):
             pids += [p.pid for p in psutil.Process(self.child.pid).children(recursive=True)]
-        except psutil.Error:
-            pass
         path = reports.capture_stacks(
             pids,
             reason=reason,
@@ -665,10 +660,8 @@ class Supervisor:
         child = self.child
         if child is not None and child.poll() is None:
             child.signal_group(signal.SIGKILL)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         if child is not None:
             child.signal_group(signal.SIGKILL)  # stragglers in its group
 

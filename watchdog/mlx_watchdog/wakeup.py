@@ -15,6 +15,7 @@ end. `wake_on_signals()` makes the C-level handler write to the same pipe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -64,8 +65,6 @@ class Wakeup:
                 pass
             self._previous_wakeup_fd = None
         for fd in (self._read, self._write):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._read = self._write = -1

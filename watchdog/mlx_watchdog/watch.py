@@ -158,7 +158,7 @@ def build_locator(instance: InstanceConfig) -> Optional[ProcessLocator]:
     return None
 
 
-def build_monitor(
+def build_watched_server_monitor(
     instance: InstanceConfig,
     *,
     metrics: Optional[Metrics] = None,

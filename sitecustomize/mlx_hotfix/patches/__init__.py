@@ -25,12 +25,12 @@ The shape decides, the version only labels (evidence: every release from
   missing or already fixed (a fix part past FIXED_IN says so).
 """
 
-import sys
-
 from .. import _hooks, config, log
 from ..pairings import parse_version  # one parser for the gates and the pairings
-from . import (admission, advance, disconnect, drain, exit_on_death, extend, extract, heartbeat,
-               held_socket, prompt_cache_bytes, recover, validate)
+from ..versions import mlx_lm_version, mlx_version, pairing_warning
+from . import (admission, advance, disconnect, drain, extend, extract, heartbeat, held_socket,
+               prompt_cache_bytes, recover, validate)
+from . import exit as exit_part  # the part named exit (a module attribute, not the builtin)
 
 # Applied in this order; each wraps what the ones before it wrapped.
 # - validate wraps only what no other part wraps (APIHandler.do_POST and
@@ -48,31 +48,13 @@ from . import (admission, advance, disconnect, drain, exit_on_death, extend, ext
 #   in the line first.
 # - socket only replaces the listener's bind (no request passes it): its
 #   place is free.
-PATCHES = (exit_on_death, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes,
+PATCHES = (exit_part, heartbeat, extend, advance, recover, disconnect, prompt_cache_bytes,
            extract, validate, admission, drain, held_socket)
 SERVER_MODULE = "mlx_lm.server"
 
 # name -> "applied" | "skipped: why" | "disabled" | "not loaded"
 status = {}
 _reported = False
-
-
-def mlx_lm_version():
-    module = sys.modules.get("mlx_lm._version") or sys.modules.get("mlx_lm")
-    version = getattr(module, "__version__", None)
-    if version is None:
-        try:
-            from importlib.metadata import version as dist_version
-
-            version = dist_version("mlx-lm")
-        except Exception:  # noqa: BLE001
-            version = "unknown"
-    return str(version)
-
-
-def mlx_version():
-    core = sys.modules.get("mlx.core")
-    return str(getattr(core, "__version__", "unknown"))
 
 
 def untested_label(patch, version_text):
@@ -125,17 +107,6 @@ def status_line():
     line = "mlx-lm %s, mlx %s; %s" % (mlx_lm_version(), mlx_version(), "; ".join(pieces))
     warning = pairing_warning()
     return line + ("; WARNING: " + warning if warning else "")
-
-
-def pairing_warning():
-    """The known-bad-pair or yanked-release line for this process, or None."""
-    try:
-        from .. import pairings
-
-        return pairings.warning_for(mlx_lm_version(), mlx_version(),
-                                    pairings.installed_version("transformers"))
-    except Exception:  # noqa: BLE001 - a warning must never break start-up
-        return None
 
 
 def report_status(_module=None):

@@ -144,9 +144,9 @@ def _ticket_for(handler):
 def _serving(handler):
     """False once the server cannot serve (a death, a stop): waiting requests
     then leave the line for the server's own answer."""
-    from . import exit_on_death
+    from . import exit as exit_part
 
-    if exit_on_death.lifeline.dead:
+    if exit_part.lifeline.dead:
         return False
     generator = getattr(handler, "response_generator", None)
     available = getattr(generator, "generation_available", None)

@@ -52,7 +52,8 @@ import time
 from .. import config, heartbeat, log
 from .._wrap import _wrap, wrapped_by
 from ..group import rank as group_rank
-from . import exit_on_death
+from . import exit as exit_part
+from . import stop_signals
 from ._http import send_json
 from .heartbeat import _is_probe
 
@@ -136,11 +137,11 @@ class Drain:
             listener.open.pop(request, None)
             self._changed.notify_all()
 
-    # -- the signal: from the exit part's handler, so no locks here -------------
+    # -- the signal: from the exit part's handler (stop_signals.py), so no locks here
     def begin(self, signum):
         """Start draining on this SIGTERM; False when the caller should stop
         at once instead (a second SIGTERM, a drain timeout of 0, a group)."""
-        if self.started_at is not None or exit_on_death.lifeline.dead:
+        if self.started_at is not None or exit_part.lifeline.dead:
             return False
         if config.current().drain_timeout <= 0 or _in_a_group():
             return False
@@ -172,7 +173,7 @@ class Drain:
         heartbeat.notify_status("draining: %d request(s) to finish" % waiting)
         why = None
         while True:
-            if exit_on_death.lifeline.dead:
+            if exit_part.lifeline.dead:
                 return  # a death or a second signal answers everyone now
             now = time.monotonic()
             if self._nothing_left(now, held):
@@ -196,7 +197,7 @@ class Drain:
                ", %d new one(s) refused" % refused if refused else ""))
         for listener in self.listeners:
             listener.accepting = False
-        exit_on_death.lifeline.stop_serving(self.signum)
+        exit_part.lifeline.stop_serving(self.signum)
 
     def _quiet(self, now, settings):
         """On a port of our own: no new request for the quiet time, so a
@@ -245,7 +246,7 @@ def _no_progress(now, settings):
     """Why the drain cannot finish what is left, or None."""
     if heartbeat.phase() == heartbeat.STALLED:
         return "the generation loop is stalled"
-    if heartbeat.loop_running() and not exit_on_death.generation_thread_alive():
+    if heartbeat.loop_running() and not exit_part.generation_thread_alive():
         return "the generation thread is gone"
     waited = heartbeat.undelivered_for(now)
     limit = min(NO_PROGRESS_S, settings.stall_timeout)
@@ -281,7 +282,7 @@ def _wrap_handle_completion(original):
 
 def _wrap_health(original):
     def handle_health_check(self, *args, **kwargs):
-        if state.draining and not exit_on_death.lifeline.dead:
+        if state.draining and not exit_part.lifeline.dead:
             return send_json(self, 503, state.health())
         return original(self, *args, **kwargs)
 
@@ -309,7 +310,7 @@ def _wait_to_accept(listener):
     server on a held socket. That is from the drain on, and on a held socket
     also once the generation thread died or a stop began (until the recover
     part revives the loop, if it does)."""
-    lifeline = exit_on_death.lifeline
+    lifeline = exit_part.lifeline
     while not listener.accepting or (listener.held and lifeline.dead):
         time.sleep(_PARK_S)
 
@@ -343,7 +344,7 @@ def _watch_listener(httpd):
 def check_shape(server):
     from . import status
 
-    if not status.get(exit_on_death.NAME, "").startswith("applied"):
+    if not status.get(exit_part.NAME, "").startswith("applied"):
         return "needs the exit part (it answers what is left when the drain ends)"
     handler = getattr(server, "APIHandler", None)
     for method in ("handle_completion", "handle_health_check"):
@@ -369,7 +370,7 @@ def apply(server):
             (listener, "server_activate", _wrap_server_activate(listener.server_activate)))
     for owner, name, value in replacements:
         setattr(owner, name, value)
-    exit_on_death.stop_hook = state.begin
+    stop_signals.stop_hook = state.begin
 
 
 def describe():

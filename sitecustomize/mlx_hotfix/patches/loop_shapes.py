@@ -91,10 +91,10 @@ def _install_request_queue_turns(generator):
         if isinstance(requests, queue.Queue) and not isinstance(requests, LoopTurn):
             requests.__class__ = _turning_class(type(requests))
 
-    __init__.__name__ = original.__name__
-    __init__.__qualname__ = getattr(original, "__qualname__", "__init__")
-    __init__.__doc__ = original.__doc__
-    __init__.__wrapped__ = original
+    from functools import update_wrapper  # after mlx_lm loaded (the drop-in's start-up rule)
+
+    update_wrapper(__init__, original, assigned=("__name__", "__qualname__", "__doc__"),
+                   updated=())
     setattr(__init__, _TURNS_MARK, True)
     generator.__init__ = __init__
 

@@ -8,7 +8,7 @@ one, minutes for a 100+ GB one, and every user waits that long. The thread
 dies from bugs in one request's batch (extend, advance, slice, broadcast,
 extract_cache); the model weights are untouched and can be reused.
 
-How (the exit part's Lifeline asks this part's policy, see exit_on_death.py):
+How (the exit part's Lifeline asks this part's policy, see exit.py):
 1. the exit part answers every waiting client as always (503 JSON or an SSE
    error event), each on its own thread, while the recovery goes on (it does
    not wait for them); the dying request is not retried;
@@ -44,7 +44,7 @@ import time
 
 from .. import config, heartbeat, log
 from .._wrap import wrapped_by
-from . import exit_on_death
+from . import exit as exit_part
 from ._source import source_of
 
 NAME = "recover"
@@ -133,7 +133,7 @@ class Recovery:
 
     # -- the steps ---------------------------------------------------------------
     def _recover(self, generator, exc):
-        died_at = exit_on_death.lifeline.died_at
+        died_at = exit_part.lifeline.died_at
         steps = []
         dead = getattr(generator, "_generation_thread", None)
         if dead is not None and not self.wait_loop_ended(dead, _JOIN_S):
@@ -153,7 +153,7 @@ class Recovery:
                 raise RuntimeError("the fresh generation loop did not start")
             time.sleep(0.02)
         steps.append(("loop running", time.monotonic()))
-        exit_on_death.lifeline.revive()
+        exit_part.lifeline.revive()
         heartbeat.serving_again()  # last: /health says 200 only once requests are taken
         if died_at is not None:  # where a recovery's time goes (MLX_HOTFIX_DEBUG=1)
             log.debug("recovery steps, seconds after the death: " + ", ".join(
@@ -286,7 +286,7 @@ def cannot_recover_in_place(exc):
 
 def _write_report(exc, number):
     from .. import reports
-    from .exit_on_death import cause_fields, lifeline
+    from .exit import cause_fields, lifeline
 
     in_flight = lifeline.in_flight or ()
     extra = {"recovery": number, "in_flight": len(in_flight),
@@ -313,7 +313,7 @@ def check_shape(server):
     generator = getattr(server, "ResponseGenerator", None)
     if generator is None:
         return "mlx_lm.server has no ResponseGenerator"
-    if not wrapped_by(getattr(generator, "_generate", None), exit_on_death.NAME):
+    if not wrapped_by(getattr(generator, "_generate", None), exit_part.NAME):
         return "needs the exit part (it answers the clients and calls this part)"
     if getattr(server, "LRUPromptCache", None) is None:
         return "mlx_lm.server has no LRUPromptCache"
@@ -323,10 +323,10 @@ def check_shape(server):
     for needed in _INIT_NEEDS:
         if needed not in source:
             return "ResponseGenerator.__init__ does not set %s" % needed
-    if exit_on_death.lifeline.recovery is not None:
+    if exit_part.lifeline.recovery is not None:
         return "already applied"
     return None
 
 
 def apply(server):
-    exit_on_death.lifeline.recovery = Recovery(server, config.current())
+    exit_part.lifeline.recovery = Recovery(server, config.current())

@@ -146,7 +146,8 @@ def group_launch(*, python: str, hostfile: Optional[str], hosts: Optional[str],
                  backend: Optional[str]) -> Tuple[str, ...]:
     """mlx.launch and its options for a group (--hostfile/--hosts), () for a
     lone server. Checks the hostfile and that ssh reaches every other host."""
-    from ..group import GroupError, install_options
+    from ..group_hosts import GroupError
+    from ..group_install import install_options
 
     try:
         launch = install_options(python=python, hostfile=hostfile, hosts=hosts, backend=backend)

@@ -35,6 +35,9 @@ Every threaded release 0.28.4 to 0.32.x has the zombie. Two loop shapes
 heartbeat hooks come from ``loop_shapes.loop_hooks``. Before 0.28.4 there is
 no generation thread: "exit skipped: no generation thread in this release".
 
+SIGTERM and SIGINT answer every waiting client first too (stop_signals.py,
+installed by apply).
+
 Test: tests/test_shim_exit.py (excepthook death on 0.31.3, caught-by-stock
 death on 0.32.2, death at model load, negative controls);
 tests/test_matrix.py (one death per release line, 0.28.4 to 0.32.2, and a
@@ -43,7 +46,6 @@ stock tree relabelled 0.33.0).
 
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -52,7 +54,7 @@ import weakref
 from .. import config, heartbeat, log, reports
 from .._wrap import _MARK
 from .._wrap import _wrap as _wrap_as
-from . import loop_shapes
+from . import loop_shapes, stop_signals
 from ._http import send_json
 
 NAME = "exit"
@@ -323,7 +325,7 @@ def _known_bad_pair():
     yanked release alone is not a pair)."""
     try:
         from .. import pairings
-        from . import mlx_lm_version, mlx_version
+        from ..versions import mlx_lm_version, mlx_version
 
         found = pairings.problems(mlx_lm_version(), mlx_version(),
                                   pairings.installed_version("transformers"))
@@ -335,7 +337,7 @@ def _known_bad_pair():
 def _note_known_bad_pair():
     """A death from a known-bad mlx-lm/mlx pair: say why; the warning, for the report."""
     try:
-        from . import pairing_warning
+        from ..versions import pairing_warning
 
         warning = pairing_warning()
     except Exception:  # noqa: BLE001
@@ -623,52 +625,4 @@ def apply(server):
     # Built first, assigned last: a failure above leaves the server untouched.
     for owner, name, value in replacements:
         setattr(owner, name, value)
-    _answer_on_sigterm()
-
-
-# The drain part (patches/drain.py) takes the first SIGTERM when it is on:
-# stop_hook(signum) -> True when it began a drain (it stops the server itself
-# once the accepted requests are done); False to stop at once, as below.
-stop_hook = None
-
-
-def _answer_on_sigterm():
-    """Stock dies of SIGTERM at once, and of SIGINT (KeyboardInterrupt) with
-    its clients cut off; either way every waiting client is reset. Here both
-    answer every waiting client first. Only where nobody else handles them,
-    and only from the main thread (signals)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    handled = [sig for sig, default in ((signal.SIGTERM, signal.SIG_DFL),
-                                        (signal.SIGINT, signal.default_int_handler))
-               if signal.getsignal(sig) is default]
-
-    def on_stop_signal(signum, frame):
-        hook = stop_hook
-        if signum == signal.SIGTERM and hook is not None and hook(signum):
-            # Draining. The next stop signal, or the drain's own once it has
-            # answered, comes to on_next_signal.
-            for sig in handled:
-                signal.signal(sig, on_next_signal)
-            return
-        stop_now(signum)
-
-    def on_next_signal(signum, frame):
-        if lifeline.dead:  # the answers are out, or going out: die as asked
-            for sig in handled:
-                signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        stop_now(signum)  # a second SIGTERM or a SIGINT while draining
-
-    def stop_now(signum):
-        # Once only: the next stop signal kills at once, as stock. The
-        # answering runs on a thread, not in the handler: it waits on locks
-        # that the frame this handler interrupted could hold.
-        for sig in handled:
-            signal.signal(sig, signal.SIG_DFL)
-        threading.Thread(target=lifeline.stop_serving, args=(signum,),
-                         name="mlx-hotfix-stop", daemon=True).start()
-
-    for sig in handled:
-        signal.signal(sig, on_stop_signal)
+    stop_signals.answer_on_stop_signals(lifeline)
