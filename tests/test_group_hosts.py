@@ -404,19 +404,31 @@ def test_doctor_checks_every_host_of_the_hostfile_over_ssh(second_host, tmp_path
         f"{second_host.alias}: not reachable by `ssh -o BatchMode=yes {second_host.alias}`")
 
 
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def test_the_second_host_finds_a_rank_its_session_left_behind(second_host):
     """What the tests rely on: a rank that outlived its session (re-parented,
     no longer under our sshd) is still found on the second host."""
-    # A group test before this one may still be ending its ranks: not ours.
-    before = set(second_host.ranks())
+    # A group test before this one may still be ending its ranks: ours is the
+    # one that sleeps this test's own number of seconds.
+    seconds = str(300 + os.getpid() % 600)
+
+    def ours():
+        return [p for p in second_host.ranks() if seconds in _cmdline(p)]
+
     started = second_host.ssh("MLX_RANK=1 setsid bash -c 'exec -a \"python -m mlx_lm server\" "
-                              "sleep 300' </dev/null >/dev/null 2>&1 &")
+                              f"sleep {seconds}' </dev/null >/dev/null 2>&1 &")
     assert started.returncode == 0, started.stderr
     deadline = time.monotonic() + 30
-    while not set(second_host.ranks()) - before:
+    while not ours():
         assert time.monotonic() < deadline, "the left-over rank is not found"
         time.sleep(0.1)
-    (left,) = set(second_host.ranks()) - before
+    (left,) = ours()
     try:
         assert left not in second_host.sessions()
         assert left in second_host.processes()
