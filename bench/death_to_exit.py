@@ -411,8 +411,12 @@ def supervised(fig: Figure, cause: str, version: str, model: Path, work: Path,
                 sup.resume()
         for i in range(deaths):
             child_pid = track_children()
-            # The first death carries steady client traffic, for the timeline plot.
-            traffic = Traffic(url).start() if i == 0 else None
+            # The first death carries steady client traffic, for the timeline plot;
+            # not the extend pair's, sent with the supervisor paused: the server's
+            # output goes through the supervisor (its [server] lines), and a paused
+            # one stops reading it, so steady traffic would fill the pipe and block
+            # the server's request threads on their log lines.
+            traffic = Traffic(url).start() if i == 0 and cause != "extend" else None
             if traffic is not None:
                 time.sleep(LEAD_S)
             if cause == "fault":
