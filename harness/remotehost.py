@@ -141,7 +141,10 @@ class SecondHost:
             "StrictModes no",  # the private folder lives under a world-writable /tmp
             "PrintMotd no",
             "PrintLastLog no",
-            f"SetEnv {MARKER}={self.token}",
+            # The second host's own user report folder: a rank there (no
+            # MLX_HOTFIX_REPORT_DIR reaches it over ssh) must not write into
+            # this machine's real one.
+            f"SetEnv {MARKER}={self.token} MLX_HOTFIX_REPORT_DIR={self.folder / 'reports'}",
             "LogLevel VERBOSE",
             *self.sshd_options,
             "",
